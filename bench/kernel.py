@@ -1,0 +1,150 @@
+"""Decode-kernel benchmark on the H200: BF16 kernel, FP8 kernel (pv f16 / fp8), XLA path.
+
+Per shape, in one process: median device time (CUPTI kernel time summed over the whole
+jitted call, the split combine included; warm-up excluded), TFLOPS by FlashMLA's count
+``2 * s_q * sum(seq_lens) * h * (576 + 512)`` (BF16-equivalent for FP8), cache GB/s
+(1152 B/token BF16, 644 FP8), percent of the floor (max of compute and bandwidth time at
+the measured H200 ceilings below), and the ratios to the XLA path and FP8 / BF16.
+
+  python bench/kernel.py [--quick] [--md PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from snapmla_jax import mla_decode
+from snapmla_jax.cache import PagedLatentCache
+from snapmla_jax.pallas.mla_decode_bf16 import mla_decode_bf16
+
+BF16_PEAK = 989e12     # dense bf16 tensor-core peak (datasheet), TFLOP/s
+FP8_PEAK = 1868e12     # the SnapMLA effective peak for FP8 (989 * 17 / 9)
+HBM = 4.8e12           # datasheet bandwidth; FlashMLA BF16 reaches 4.2 TB/s here
+BYTES = {"bf16": 1152, "fp8": 644}
+SCALE = 576 ** -0.5
+
+SHAPES = [  # (batch, heads, s_q, context)
+    (32, 128, 1, 16384), (64, 128, 1, 16384), (128, 128, 1, 16384), (32, 128, 1, 65536),
+    (64, 16, 1, 32768), (128, 16, 1, 16384), (128, 16, 1, 65536),
+    (32, 16, 1, 16384), (32, 32, 1, 16384), (32, 64, 1, 16384),
+    (32, 16, 2, 16384), (32, 64, 2, 16384), (32, 128, 2, 16384),
+]
+QUICK = [(32, 128, 1, 16384), (128, 16, 1, 16384), (32, 128, 2, 16384)]
+
+
+def make_inputs(batch, heads, s_q, context, kinds):
+  key = jax.random.key(batch * 1000 + heads + s_q)
+  k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+  pages = context // 64
+  num_pages = batch * pages
+  block_table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(batch, pages)
+  seq_lens = jnp.full((batch,), context, jnp.int32)
+  q_nope = jax.random.normal(k2, (batch, s_q, heads, 512), jnp.bfloat16)
+  q_rope = jax.random.normal(k3, (batch, s_q, heads, 64), jnp.bfloat16)
+  caches = {}
+  ckv = jax.random.normal(k4, (num_pages, 64, 512), jnp.bfloat16)
+  rope = jax.random.normal(k5, (num_pages, 64, 64), jnp.bfloat16)
+  if "bf16" in kinds:
+    caches["bf16"] = PagedLatentCache(None, None, None, jnp.concatenate([ckv, rope], -1), kind="bf16")
+  if "fp8" in kinds:
+    from snapmla_jax import quant
+    content, scale, rope_s = jax.jit(quant.quantize_latent)(ckv, rope)
+    caches["fp8"] = PagedLatentCache(content, scale, rope_s, None, kind="fp8")
+  del ckv, rope
+  return q_nope, q_rope, caches, block_table, seq_lens
+
+
+def measure(f, *args, iterations=20):
+  from jax.experimental.mosaic.gpu import profiler
+  f = jax.jit(f)
+  jax.block_until_ready(f(*args))
+  _, times = profiler.measure(f, iterations=iterations)(*args)
+  return statistics.median(times) * 1e-3   # seconds
+
+
+def impls():
+  out = {"bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
+      q, r, c.latent, bt, sl, softmax_scale=SCALE))}
+  try:
+    from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
+    from snapmla_jax import quant
+    def fp8(pv):
+      def f(q, r, c, bt, sl):
+        qc, qs, qr = quant.quantize_query(q, r)
+        return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
+                              softmax_scale=SCALE, pv=pv)
+      return f
+    out["fp8-f16"] = ("fp8", fp8("f16"))
+    out["fp8-fp8"] = ("fp8", fp8("fp8"))
+  except ImportError:
+    pass
+  out["xla-bf16"] = ("bf16", lambda q, r, c, bt, sl: mla_decode(
+      q, r, c, bt, sl, softmax_scale=SCALE, impl="xla"))
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--md", default=None)
+  parser.add_argument("--skip", default="", help="comma-separated impls to leave out")
+  args = parser.parse_args()
+  shapes = QUICK if args.quick else SHAPES
+  table = impls()
+  for name in filter(None, args.skip.split(",")):
+    table.pop(name, None)
+  rows = []
+  for batch, heads, s_q, context in shapes:
+    kinds = {kind for kind, _ in table.values()}
+    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, kinds)
+    tokens = batch * context
+    flops = 2 * s_q * tokens * heads * (576 + 512)
+    times = {}
+    for name, (kind, f) in table.items():
+      if name == "xla-bf16" and batch * context > 64 * 32768:
+        continue   # the XLA path at the largest shapes costs more device time than it tells
+      try:
+        times[name] = measure(f, q, r, caches[kind], bt, sl)
+      except Exception:  # noqa: BLE001 - report and go on with the other rows
+        traceback.print_exc()
+        times[name] = float("nan")
+    for name, t in times.items():
+      kind = table[name][0]
+      nbytes = tokens * BYTES[kind]
+      peak = FP8_PEAK if kind == "fp8" and name != "fp8-f16" else BF16_PEAK
+      floor = max(flops / peak, nbytes / HBM)
+      rows.append(dict(shape=f"b{batch} h{heads} s_q{s_q} {context // 1024}k", impl=name,
+                       us=t * 1e6, tflops=flops / t / 1e12, gbs=nbytes / t / 1e9,
+                       floor=100 * floor / t,
+                       vs_xla=times.get("xla-bf16", float("nan")) / t,
+                       vs_bf16=times.get("bf16", float("nan")) / t))
+    del caches
+    print(f"done b{batch} h{heads} s_q{s_q} {context}: "
+          + ", ".join(f"{k}={v * 1e6:.1f}us" for k, v in times.items()), flush=True)
+
+  header = "| shape | impl | time (us) | TFLOPS | cache GB/s | % of floor | x XLA | x BF16 kernel |"
+  lines = [header, "|" + "---|" * 8]
+  for row in rows:
+    lines.append(f"| {row['shape']} | {row['impl']} | {row['us']:.1f} | {row['tflops']:.0f} | "
+                 f"{row['gbs']:.0f} | {row['floor']:.0f} | {row['vs_xla']:.2f} | "
+                 f"{row['vs_bf16']:.2f} |")
+  text = "\n".join(lines)
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  meta = f"{stamp}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
+  print(meta)
+  print(text)
+  if args.md:
+    with open(args.md, "w") as f:
+      f.write(meta + "\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,152 @@
+"""``mla_decode``: absorbed-MLA decode over a paged latent cache, one entry point.
+
+Implementations:
+
+* ``"pallas"``: the Hopper (sm_90) Mosaic GPU kernels of ``snapmla_jax.pallas``
+  (``mla_decode_bf16`` for BF16 caches, ``mla_decode_fp8`` for FP8 ones).
+* ``"xla"``: portable jnp. BF16 caches: gather, bf16 matmuls with f32 accumulation,
+  f32 softmax. FP8 caches: ``reference.snapmla_emulate``, the exact FP8 pipeline.
+* ``"auto"``: ``"pallas"`` on a Hopper GPU for the kernels' shapes (512 + 64 dims,
+  64-token pages), ``"xla"`` otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from snapmla_jax import quant
+from snapmla_jax.cache import PagedLatentCache, check_block_table
+from snapmla_jax.reference import attention_mask, snapmla_emulate
+
+Impl = Literal["auto", "xla", "pallas"]
+
+
+def mla_decode(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentCache,
+               block_table: jax.Array, seq_lens: jax.Array, *,
+               softmax_scale: float | None = None, causal: bool = True,
+               impl: Impl = "auto"):
+  """Attention of ``s_q`` new query tokens per sequence over its cached latents.
+
+  Args:
+    q_nope: ``[batch, s_q, heads, kv_lora_rank]`` absorbed queries (``q_nope @ W_UK``),
+      bf16 or f32.
+    q_rope: ``[batch, s_q, heads, rope_dim]`` rotated RoPE queries.
+    cache: ``PagedLatentCache`` (``"fp8"`` or ``"bf16"``) already holding the new tokens.
+    block_table: ``int32 [batch, max_pages]``, the pages of each sequence in order.
+    seq_lens: ``int32 [batch]``, cached tokens of each sequence, the ``s_q`` new ones
+      included; ``<= max_pages * page_size``.
+    softmax_scale: scales the logits; default ``(kv_lora_rank + rope_dim) ** -0.5``.
+    causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]`` (multi-token
+      prediction); otherwise every query sees all ``seq_len``.
+    impl: ``"auto"``, ``"xla"`` or ``"pallas"`` (see the module docstring).
+
+  Returns:
+    ``(out [batch, s_q, heads, kv_lora_rank] in q_nope.dtype, lse f32 [batch, heads, s_q])``,
+    ``lse`` the natural log of the softmax denominator; a query that sees no token
+    gives zeros and ``-inf``.
+  """
+  _check_inputs(q_nope, q_rope, cache, block_table, seq_lens)
+  if softmax_scale is None:
+    softmax_scale = (cache.kv_lora_rank + cache.rope_dim) ** -0.5
+  if impl == "auto":
+    impl = "pallas" if _kernels_apply(cache) else "xla"
+  if impl == "pallas":
+    out, lse = _decode_pallas(q_nope, q_rope, cache, block_table, seq_lens,
+                              softmax_scale=softmax_scale, causal=causal)
+  elif impl == "xla":
+    decode = _decode_xla_fp8 if cache.kind == "fp8" else _decode_xla_bf16
+    out, lse = decode(q_nope, q_rope, cache, block_table, seq_lens,
+                      softmax_scale=softmax_scale, causal=causal)
+  else:
+    raise ValueError(f'impl must be "auto", "xla" or "pallas", got {impl=!r}')
+  return out.astype(q_nope.dtype), lse
+
+
+def _on_hopper() -> bool:
+  device = jax.devices()[0]
+  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def _kernels_apply(cache: PagedLatentCache) -> bool:
+  return (_on_hopper() and cache.kv_lora_rank == 512 and cache.rope_dim == 64
+          and cache.page_size == 64)
+
+
+def _decode_pallas(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scale, causal):
+  if not _kernels_apply(cache):
+    raise NotImplementedError(
+        "impl='pallas' needs a Hopper (sm_90) GPU and a cache of 512 + 64 dims in pages "
+        f"of 64 tokens; got {jax.devices()[0].device_kind!r}, kv_lora_rank="
+        f"{cache.kv_lora_rank}, rope_dim={cache.rope_dim}, page_size={cache.page_size}. "
+        "Use impl='xla'.")
+  if cache.kind == "bf16":
+    from snapmla_jax.pallas.mla_decode_bf16 import mla_decode_bf16
+    return mla_decode_bf16(q_nope.astype(jnp.bfloat16), q_rope.astype(jnp.bfloat16),
+                           cache.latent, block_table, seq_lens,
+                           softmax_scale=softmax_scale, causal=causal)
+  from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
+  q_content, q_scale, q_rope_scaled = quant.quantize_query(q_nope, q_rope)
+  return mla_decode_fp8(q_content, q_scale, q_rope_scaled, cache.content, cache.scale,
+                        cache.rope, block_table, seq_lens,
+                        softmax_scale=softmax_scale, causal=causal)
+
+
+def _decode_xla_bf16(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scale, causal):
+  (latent,) = cache.gather(block_table)  # [b, T, 576] bf16
+  s_q, s_k, rank = q_nope.shape[1], latent.shape[1], cache.kv_lora_rank
+  valid_k = (jnp.arange(s_k)[None, :] < seq_lens[:, None])[..., None]
+  latent = jnp.where(valid_k, latent, jnp.zeros_like(latent))  # unused slots may be NaN
+  q = jnp.concatenate([q_nope, q_rope], axis=-1).astype(jnp.bfloat16)
+  scores = jnp.einsum("bqhd,bkd->bqhk", q, latent, preferred_element_type=jnp.float32)
+  mask = attention_mask(seq_lens, s_q, s_k, causal)[:, :, None, :]
+  scores = jnp.where(mask, scores * softmax_scale, -jnp.inf)
+  row_max = jnp.max(scores, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  p = jnp.exp(scores - row_max)
+  denom = jnp.sum(p, axis=-1)
+  out = jnp.einsum("bqhk,bkc->bqhc", p.astype(jnp.bfloat16), latent[..., :rank],
+                   preferred_element_type=jnp.float32)
+  seen = denom > 0
+  safe = jnp.where(seen, denom, 1.0)
+  out = jnp.where(seen[..., None], out / safe[..., None], 0.0)
+  lse = jnp.where(seen, row_max[..., 0] + jnp.log(safe), -jnp.inf)
+  return out, jnp.transpose(lse, (0, 2, 1))
+
+
+def _decode_xla_fp8(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scale, causal):
+  return snapmla_emulate(q_nope, q_rope, cache, block_table, seq_lens,
+                         softmax_scale=softmax_scale, causal=causal)
+
+
+def _check_inputs(q_nope, q_rope, cache, block_table, seq_lens) -> None:
+  """Trace-time checks; ValueError naming the argument and what was expected."""
+  if not isinstance(cache, PagedLatentCache):
+    raise ValueError(f"cache must be a PagedLatentCache, got {type(cache).__name__}")
+  rank, rope = cache.kv_lora_rank, cache.rope_dim
+  if q_nope.ndim != 4 or q_nope.shape[-1] != rank:
+    raise ValueError(f"q_nope must be [batch, s_q, heads, {rank}], got {q_nope.shape=}")
+  if q_rope.shape != q_nope.shape[:-1] + (rope,):
+    raise ValueError(f"q_rope must be {q_nope.shape[:-1] + (rope,)}, got {q_rope.shape=}")
+  for name, q in (("q_nope", q_nope), ("q_rope", q_rope)):
+    if q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+      raise ValueError(f"{name} must be bf16, f16 or f32, got {name}.dtype={q.dtype}")
+  check_block_table(block_table, seq_lens)
+  if block_table.shape[0] != q_nope.shape[0]:
+    raise ValueError(f"block_table must have batch {q_nope.shape[0]} rows (q_nope's), "
+                     f"got {block_table.shape=}")
+  capacity = block_table.shape[1] * cache.page_size
+  if not isinstance(seq_lens, jax.core.Tracer):
+    lens = np.asarray(seq_lens)
+    if lens.size and (lens.max() > capacity or lens.min() < 0):
+      raise ValueError(
+          f"seq_lens must be in [0, max_pages * page_size = {capacity}], got "
+          f"min {lens.min()} max {lens.max()}")
+  if not isinstance(block_table, jax.core.Tracer):
+    table = np.asarray(block_table)
+    if table.size and (table.min() < 0 or table.max() >= cache.num_pages):
+      raise ValueError(f"block_table entries must be pages in [0, {cache.num_pages}), "
+                       f"got min {table.min()} max {table.max()}")

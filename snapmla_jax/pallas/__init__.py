@@ -1,0 +1,1 @@
+"""Hopper (sm_90) Pallas Mosaic GPU kernels for MLA decode."""

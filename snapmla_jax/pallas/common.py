@@ -1,0 +1,225 @@
+"""Pieces shared by the Hopper MLA decode kernels (BF16 and FP8).
+
+Every kernel here has the same shape (FlashMLA's, scaled to Pallas Mosaic GPU 0.11.2):
+
+* The query rows of one sequence, ``s_q * heads`` of them ordered ``(s_q, head)``, are cut
+  into tiles of ``QUERY_TILE = 64`` rows (the wgmma M); one CTA owns one row tile of one
+  sequence and one split of its pages. Grid: ``(row_tiles, num_splits, batch)``, rows
+  fastest so that the CTAs reading the same pages run together and share L2.
+* Three warpgroups per CTA. Warpgroup 2 (memory) TMAs one 64-token page per pipeline step
+  through the block table into a ``num_stages``-deep SMEM ring. Warpgroup 0 computes
+  ``S = Q K^T`` over the 576 (512 + 64) dims, the online softmax (exp2 domain) and ``P``,
+  which it hands to warpgroup 1 through SMEM with the row rescaling factor. Each of the
+  two compute warpgroups accumulates half of the 512 output dims (FlashMLA's 256 + 256),
+  in strictly increasing page order.
+* Splits: the pages of each sequence are divided evenly into ``num_splits`` contiguous
+  ranges (computed under jit from ``seq_lens`` by ``split_page_ranges``); each split writes
+  an f32 partial output and its log-sum-exp, merged by ``snapmla_jax.combine``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+PAGE_SIZE = 64
+"""Tokens per cache page, and per pipeline step (the wgmma K of P V)."""
+QUERY_TILE = 64
+"""Query rows (s_q x heads, flattened) per CTA: the wgmma M."""
+CONTENT_DIM = 512
+ROPE_DIM = 64
+HALF_DIM = CONTENT_DIM // 2
+"""Output dims owned by each compute warpgroup (the wgmma N of P V)."""
+NUM_COMPUTE_WGS = 2
+MEMORY_WG = NUM_COMPUTE_WGS
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+HOPPER_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Pipeline knobs of the decode kernels (no shapes, no dtypes).
+
+  Attributes:
+    num_stages: depth of the SMEM page ring (pages in flight per CTA).
+    num_splits: KV splits per sequence; ``None`` picks enough to fill the GPU once
+      (``default_num_splits``).
+  """
+  num_stages: int = 2
+  num_splits: int | None = None
+
+  def __post_init__(self):
+    if self.num_stages < 2:
+      raise ValueError(f"{self.num_stages=} must be at least 2")
+    if self.num_splits is not None and self.num_splits < 1:
+      raise ValueError(f"{self.num_splits=} must be None or at least 1")
+
+
+def check_platform(interpret: bool) -> None:
+  """Raises unless the kernels can run: an sm_90 CUDA device, or interpret mode."""
+  if interpret:
+    return
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or capability is None or not str(capability).startswith("9"):
+    raise NotImplementedError(
+        "the Pallas MLA decode kernels need a Hopper (sm_90) CUDA GPU, got "
+        f"{device.platform}:{getattr(device, 'device_kind', device)}; "
+        "use impl='xla' or interpret=True")
+
+
+def interpret_params(interpret: bool):
+  return plgpu.InterpretGPUParams(detect_races=True) if interpret else None
+
+
+def check_array(name: str, x, shape: tuple, dtype) -> None:
+  """ValueError naming ``name`` unless ``x`` has ``shape`` (None = any) and ``dtype``."""
+  if x.ndim != len(shape) or any(want is not None and got != want
+                                 for got, want in zip(x.shape, shape)):
+    want = tuple("?" if w is None else w for w in shape)
+    raise ValueError(f"{name} must have shape {want}, got {name}.shape={x.shape}")
+  if x.dtype != jnp.dtype(dtype):
+    raise ValueError(f"{name} must be {jnp.dtype(dtype).name}, got {name}.dtype={x.dtype}")
+
+
+def check_paging(block_table, seq_lens, batch: int, page_size: int) -> None:
+  """Checks the block table and lengths of ``batch`` sequences over pages of ``page_size``."""
+  check_array("block_table", block_table, (batch, None), jnp.int32)
+  check_array("seq_lens", seq_lens, (batch,), jnp.int32)
+  if page_size != PAGE_SIZE:
+    raise NotImplementedError(f"page_size must be {PAGE_SIZE}, got {page_size}")
+
+
+def num_row_tiles(s_q: int, heads: int) -> int:
+  return pl.cdiv(s_q * heads, QUERY_TILE)
+
+
+def default_num_splits(batch: int, row_tiles: int, max_pages: int,
+                       num_sms: int = HOPPER_NUM_SMS) -> int:
+  """Splits per sequence so that ``batch * row_tiles * splits`` about fills one wave.
+
+  The kernels hold one CTA per SM (their SMEM ring takes most of the 227 KiB), so one
+  wave is ``num_sms`` CTAs; a split shorter than a few pages is not worth its combine.
+  """
+  ctas = batch * row_tiles
+  splits = max(1, round(num_sms / ctas))
+  return max(1, min(splits, max_pages // 4 or 1))
+
+
+def split_page_ranges(seq_lens: jax.Array, num_splits: int) -> jax.Array:
+  """int32 ``[batch, num_splits, 2]``: the ``[first, end)`` pages of each split.
+
+  Pages of a sequence are ``cdiv(seq_len, PAGE_SIZE)``; each split gets
+  ``cdiv(pages, num_splits)`` of them in order, the last ones possibly fewer or none.
+  """
+  num_pages = (seq_lens.astype(jnp.int32) + PAGE_SIZE - 1) // PAGE_SIZE
+  per_split = (num_pages + num_splits - 1) // num_splits
+  first = jnp.arange(num_splits, dtype=jnp.int32)[None, :] * per_split[:, None]
+  end = jnp.minimum(first + per_split[:, None], num_pages[:, None])
+  return jnp.stack([first, jnp.maximum(end, first)], axis=-1)
+
+
+def pack_query_rows(x: jax.Array, padded_rows: int) -> jax.Array:
+  """``[batch, s_q, heads, ...]`` -> ``[batch, padded_rows, ...]``, rows ordered (s_q, head)."""
+  batch, s_q, heads = x.shape[:3]
+  x = x.reshape(batch, s_q * heads, *x.shape[3:])
+  pad = [(0, 0), (0, padded_rows - s_q * heads)] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(x, pad)
+
+
+def unpack_outputs(out_parts, lse_parts, s_q: int, heads: int, out_dim_order=None):
+  """Merges the splits and restores the public layouts.
+
+  Args:
+    out_parts: f32 ``[num_splits, batch, padded_rows, 512]`` partial outputs.
+    lse_parts: f32 ``[num_splits, batch, padded_rows]`` partial log-sum-exps.
+    out_dim_order: optional ``[512]`` gather that puts the kernel's output dims in order.
+
+  Returns:
+    ``(out bf16 [batch, s_q, heads, 512], lse f32 [batch, heads, s_q])``.
+  """
+  rows = s_q * heads
+  out_parts, lse_parts = out_parts[:, :, :rows], lse_parts[:, :, :rows]
+  if out_parts.shape[0] == 1:
+    out, lse = out_parts[0], lse_parts[0]
+  else:
+    from snapmla_jax.combine import combine_splits
+    out, lse = combine_splits(out_parts, lse_parts)
+  if out_dim_order is not None:
+    out = out[..., out_dim_order]
+  batch = out.shape[0]
+  out = out.reshape(batch, s_q, heads, CONTENT_DIM).astype(jnp.bfloat16)
+  lse = jnp.transpose(lse.reshape(batch, s_q, heads), (0, 2, 1))
+  return out, lse
+
+
+def tile_transforms(dtype, swizzle: int = 128):
+  """``(Tiling(8, swizzle / itemsize), Swizzle(swizzle))``: the wgmma/TMA SMEM layout."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem(shape, dtype, swizzle: int | None = 128):
+  transforms = () if swizzle is None else tile_transforms(dtype, swizzle)
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def visible_token_mask(first_token, seq_len, row_tile, *, s_q: int, heads: int, causal: bool):
+  """bool ``[QUERY_TILE, PAGE_SIZE]`` (WGMMA layout): may row r see token first_token + t.
+
+  Row ``r`` of tile ``row_tile`` is query ``(row_tile * 64 + r) // heads``; query ``i``
+  sees tokens ``<= seq_len - s_q + i`` (causal) or ``< seq_len``. Padding rows see the
+  whole sequence, never a token past it.
+  """
+  shape = (QUERY_TILE, PAGE_SIZE)
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  tokens = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + first_token
+  if causal:
+    query = (rows + row_tile * QUERY_TILE) // heads
+    last = jnp.minimum(seq_len - s_q + query, seq_len - 1)
+  else:
+    last = seq_len - 1
+  return tokens <= last
+
+
+def row_broadcast(v, shape):
+  """``[rows]`` -> ``[rows, cols]``, each row repeating its value."""
+  return lax.broadcast_in_dim(v, shape, [0])
+
+
+def zero_rows(num_rows: int, value: float = 0.0, dtype=jnp.float32):
+  return plgpu.layout_cast(jnp.full((num_rows,), value, dtype), plgpu.Layout.WGMMA.reduce(1))
+
+
+def zero_acc(shape):
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def accumulate_pv(acc, p_smem, v_smem, *, in_place: bool):
+  """``acc + P @ V`` on wgmma, P and V in SMEM (V may be a ``.T`` view).
+
+  ``in_place`` accumulates into ``acc``'s registers (``ACC.init``), which the hardware
+  path needs to fit 64x256 f32 per warpgroup; GPU interpret mode supports only a zero
+  accumulator, so there the product is added afterwards. Same numbers either way.
+  """
+  if in_place:
+    def accumulate(acc_ref):
+      plgpu.wgmma(acc_ref, p_smem, v_smem)
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, p_smem, v_smem)
+    return acc_ref[...]
+  return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def compiler_params():
+  # No cross-warp reductions (row reductions stay inside a warp's quad): no scratch.
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)

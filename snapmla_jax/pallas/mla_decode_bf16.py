@@ -1,0 +1,225 @@
+"""BF16 absorbed-MLA decode on Hopper, in Pallas Mosaic GPU (FlashMLA's dense decode).
+
+One CTA owns a tile of 64 query rows (``(s_q, head)`` flattened) of one sequence and
+one split of its pages; three warpgroups (see ``common``):
+
+* memory (wg 2): TMAs one 64-token page ``[64, 576]`` per step through the block table
+  into a ``num_stages``-deep ring;
+* compute 0 (wg 0): ``S = Q K^T`` over 576 dims, mask, online softmax (exp2 domain),
+  ``P`` (bf16) and the row rescale ``alpha`` into SMEM, then ``O[:, :256] += P V``;
+* compute 1 (wg 1): waits for ``P`` and ``alpha``, ``O[:, 256:] += P V``.
+
+Pages past ``seq_len`` may hold NaN: the scores of those tokens are masked, and the
+tail rows of the last page are zeroed in SMEM before ``P V`` (``0 * NaN`` is NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from snapmla_jax.pallas import common
+from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_TILE,
+                                       ROPE_DIM, TuningConfig)
+
+LATENT_DIM = CONTENT_DIM + ROPE_DIM
+
+
+def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
+            out_ref, lse_ref,                                 # outputs (GMEM)
+            q_smem, kv_smem, p_smem, alpha_smem, lse_smem,    # SMEM
+            q_bar, kv_ready, kv_free, p_ready, p_free,        # barriers
+            *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
+            in_place: bool):
+  row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
+  wg = lax.axis_index("wg")
+  first_page = ranges_ref[b, split, 0]
+  num_steps = ranges_ref[b, split, 1] - first_page
+  seq_len = lens_ref[b]
+  rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)
+
+  @pl.when(wg == common.MEMORY_WG)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    @pl.loop(0, num_steps)
+    def _fetch(step):
+      slot = lax.rem(step, num_stages)
+
+      @pl.when(step >= num_stages)
+      def _():
+        plgpu.barrier_wait(kv_free.at[slot])
+
+      page = bt_ref[b, first_page + step]
+      plgpu.copy_gmem_to_smem(latent_ref.at[page], kv_smem.at[slot], kv_ready.at[slot])
+
+  def zero_tail(slot, first_token):
+    """Zeroes the content of tokens ``>= seq_len`` of a partial page (NaN-safe P V)."""
+    @pl.when(first_token + PAGE_SIZE > seq_len)
+    def _():
+      for c in range(0, CONTENT_DIM, 64):
+        tile = kv_smem.at[slot, :, c:c + 64]
+        tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0,
+                                        layout=plgpu.Layout.WGMMA) + first_token
+        tile[...] = jnp.where(tokens < seq_len, tile[...], jnp.zeros_like(tile[...]))
+
+  def pv(acc, slot, half):
+    return common.accumulate_pv(
+        acc, p_smem, kv_smem.at[slot, :, half * HALF_DIM:(half + 1) * HALF_DIM],
+        in_place=in_place)
+
+  def finish(acc, half, inv_l):
+    out = acc * common.row_broadcast(inv_l, acc.shape)
+    out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
+
+  @pl.when(wg == 0)
+  def _softmax_wg():
+    plgpu.set_max_registers(232, action="increase")
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
+
+    def step_fn(step, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, num_stages)
+      first_token = (first_page + step) * PAGE_SIZE
+      plgpu.barrier_wait(kv_ready.at[slot])
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)
+        return s_ref[...]
+      s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+      visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
+                                          heads=heads, causal=causal)
+      s = jnp.where(visible, s * scale_log2, -jnp.inf)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_use)
+      p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))
+      l_i = l_i * alpha + p.sum(axis=1)
+
+      zero_tail(slot, first_token)
+
+      @pl.when(step > 0)
+      def _():
+        plgpu.barrier_wait(p_free)          # wg 1 done with the previous P and alpha
+      p_smem[...] = p.astype(jnp.bfloat16)
+      alpha_smem[...] = alpha
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+
+      acc = pv(acc * common.row_broadcast(alpha, acc.shape), slot, 0)
+      plgpu.barrier_arrive(kv_free.at[slot])
+      return acc, m_new, l_i
+
+    carry = (common.zero_acc((QUERY_TILE, HALF_DIM)), common.zero_rows(QUERY_TILE, -jnp.inf),
+             common.zero_rows(QUERY_TILE))
+    acc, m_i, l_i = lax.fori_loop(0, num_steps, step_fn, carry)
+    inv_l = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+
+    @pl.when(num_steps > 0)
+    def _():
+      plgpu.barrier_wait(p_free)
+    alpha_smem[...] = inv_l                 # the last "step": wg 1 normalizes with it
+    lse_smem[...] = jnp.where(l_i > 0, (m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)))
+                              * common.LN2, -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+    finish(acc, 0, inv_l)
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 1)
+  def _pv_wg():
+    plgpu.set_max_registers(232, action="increase")
+
+    def step_fn(step, acc):
+      slot = lax.rem(step, num_stages)
+      plgpu.barrier_wait(p_ready)
+      alpha = alpha_smem[...]
+      acc = pv(acc * common.row_broadcast(alpha, acc.shape), slot, 1)
+      plgpu.barrier_arrive(p_free)
+      plgpu.barrier_arrive(kv_free.at[slot])
+      return acc
+
+    acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((QUERY_TILE, HALF_DIM)))
+    plgpu.barrier_wait(p_ready)
+    finish(acc, 1, alpha_smem[...])
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "interpret"))
+def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, causal,
+            config: TuningConfig, interpret: bool):
+  batch, s_q, heads, _ = q_nope.shape
+  row_tiles = common.num_row_tiles(s_q, heads)
+  padded = row_tiles * QUERY_TILE
+  max_pages = block_table.shape[1]
+  num_splits = config.num_splits or common.default_num_splits(batch, row_tiles, max_pages)
+  q = common.pack_query_rows(jnp.concatenate([q_nope, q_rope], axis=-1), padded)
+  ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
+
+  kernel = functools.partial(
+      _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
+      num_stages=config.num_stages, in_place=not interpret)
+  out_parts, lse_parts = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
+                jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
+      scratch_types=[
+          common.smem((QUERY_TILE, LATENT_DIM), jnp.bfloat16),
+          common.smem((config.num_stages, PAGE_SIZE, LATENT_DIM), jnp.bfloat16),
+          common.smem((QUERY_TILE, PAGE_SIZE), jnp.bfloat16),
+          plgpu.SMEM((QUERY_TILE,), jnp.float32),
+          plgpu.SMEM((QUERY_TILE,), jnp.float32),
+          plgpu.Barrier(),
+          plgpu.Barrier(num_barriers=config.num_stages),
+          plgpu.Barrier(num_arrivals=common.NUM_COMPUTE_WGS, num_barriers=config.num_stages),
+          plgpu.Barrier(),
+          plgpu.Barrier(),
+      ],
+      grid=(row_tiles, num_splits, batch),
+      grid_names=("rows", "split", "batch"),
+      num_threads=common.NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=common.compiler_params(),
+      interpret=common.interpret_params(interpret),
+  )(q, latent, block_table, ranges, seq_lens)
+  return common.unpack_outputs(out_parts, lse_parts, s_q, heads)
+
+
+def mla_decode_bf16(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array,
+                    block_table: jax.Array, seq_lens: jax.Array, *, softmax_scale: float,
+                    causal: bool = True, config: TuningConfig | None = None,
+                    interpret: bool = False):
+  """Absorbed-MLA decode over a paged BF16 latent cache (Hopper kernel).
+
+  Args:
+    q_nope: bf16 ``[batch, s_q, heads, 512]`` absorbed query content.
+    q_rope: bf16 ``[batch, s_q, heads, 64]``.
+    latent: bf16 ``[num_pages, 64, 576]``: content (512) then RoPE key (64) per token.
+    block_table: int32 ``[batch, max_pages]``, page ids of each sequence in order.
+    seq_lens: int32 ``[batch]``; tokens ``>= seq_len`` are never read into the result.
+    softmax_scale: multiplies the scores.
+    causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
+    config: pipeline knobs; ``None`` picks the defaults.
+    interpret: run in Mosaic GPU's interpret mode (CPU, tests).
+
+  Returns:
+    ``(out bf16 [batch, s_q, heads, 512], lse f32 [batch, heads, s_q])``, lse the natural
+    log of the softmax denominator; rows that see no token give out 0 and lse -inf.
+  """
+  common.check_platform(interpret)
+  if q_nope.ndim != 4:
+    raise ValueError(f"q_nope must be [batch, s_q, heads, 512], got {q_nope.shape=}")
+  batch, s_q, heads, _ = q_nope.shape
+  common.check_array("q_nope", q_nope, (batch, s_q, heads, CONTENT_DIM), jnp.bfloat16)
+  common.check_array("q_rope", q_rope, (batch, s_q, heads, ROPE_DIM), jnp.bfloat16)
+  common.check_array("latent", latent, (None, None, LATENT_DIM), jnp.bfloat16)
+  common.check_paging(block_table, seq_lens, batch, latent.shape[1])
+  return _decode(q_nope, q_rope, latent, block_table, seq_lens,
+                 softmax_scale=float(softmax_scale), causal=bool(causal),
+                 config=config or TuningConfig(), interpret=bool(interpret))

@@ -1,0 +1,73 @@
+"""Test and benchmark inputs for the kernels: paged caches built through the public API.
+
+``make_case`` fills NaN-poisoned caches of both kinds with one ``append`` per kind (one
+compile, whatever the lengths), pages handed out in a shuffled order (permuted block
+tables), and returns the dense fp32 copy the references take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from snapmla_jax.cache import PageAllocator, PagedLatentCache
+
+
+@dataclasses.dataclass
+class Case:
+  caches: dict            # kind -> PagedLatentCache
+  block_table: jax.Array  # int32 [batch, max_pages]
+  seq_lens: jax.Array     # int32 [batch]
+  ckv: jax.Array          # f32 [batch, max_pages * 64, 512], NaN past seq_len
+  k_rope: jax.Array       # f32 [batch, max_pages * 64, 64]
+  q_nope: jax.Array       # f32 [batch, s_q, heads, 512]
+  q_rope: jax.Array       # f32 [batch, s_q, heads, 64]
+
+
+def make_case(seed: int, seq_lens, *, s_q: int = 1, heads: int = 16,
+              kinds=("bf16", "fp8"), rope_amp: float = 4.0, zero_tokens: int = 0,
+              spare_pages: int = 3, page_size: int = 64) -> Case:
+  """Random queries and latents; ``zero_tokens`` leading tokens of each sequence are all-zero."""
+  rng = np.random.default_rng(seed)
+  seq_lens = np.asarray(seq_lens, np.int32)
+  batch = len(seq_lens)
+  max_pages = max(1, -(-int(seq_lens.max()) // page_size))
+  num_pages = int(sum(-(-int(n) // page_size) for n in seq_lens)) + spare_pages
+  alloc = PageAllocator(num_pages, page_size, max_pages)
+  alloc._free = [int(p) for p in rng.permutation(num_pages)]
+  tokens = max_pages * page_size
+  ckv = rng.standard_normal((batch, tokens, 512), np.float32)
+  k_rope = rope_amp * rng.standard_normal((batch, tokens, 64), np.float32)
+  ckv[:, :zero_tokens] = 0.0
+  k_rope[:, :zero_tokens] = 0.0
+  slots = np.concatenate([alloc.allocate(i, int(n)) for i, n in enumerate(seq_lens)])
+  valid = np.arange(tokens)[None, :] < seq_lens[:, None]
+  new_ckv, new_rope = jnp.asarray(ckv[valid]), jnp.asarray(k_rope[valid])
+  caches = {}
+  for kind in kinds:
+    cache = PagedLatentCache.create(num_pages, page_size=page_size, kind=kind, fill=np.nan)
+    caches[kind] = jax.jit(PagedLatentCache.append)(cache, new_ckv, new_rope, jnp.asarray(slots))
+  ckv[~valid] = np.nan
+  k_rope[~valid] = np.nan
+  ids = range(batch)
+  q_nope = rng.standard_normal((batch, s_q, heads, 512), np.float32)
+  q_rope = rng.standard_normal((batch, s_q, heads, 64), np.float32)
+  return Case(caches, jnp.asarray(alloc.block_table(ids)), jnp.asarray(alloc.seq_lens(ids)),
+              jnp.asarray(ckv), jnp.asarray(k_rope), jnp.asarray(q_nope), jnp.asarray(q_rope))
+
+
+def rel_l2(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def lse_error(lse, ref) -> float:
+  """Max |lse - ref| over rows that see tokens; inf unless the -inf rows agree exactly."""
+  lse, ref = np.asarray(lse, np.float64), np.asarray(ref, np.float64)
+  if not np.array_equal(np.isneginf(lse), np.isneginf(ref)):
+    return float("inf")
+  finite = np.isfinite(ref)
+  return float(np.max(np.abs(lse[finite] - ref[finite]), initial=0.0))

@@ -1,0 +1,180 @@
+"""The BF16 Hopper decode kernel (``snapmla_jax.pallas.mla_decode_bf16``).
+
+Three tiers: GPU interpret mode on CPU at small shapes, CUDA lowering on CPU at
+production shapes, and ``gpu``-marked tests on the H200. Oracle: the fp32
+``reference.mla_decode_reference`` on the same (bf16-rounded) inputs.
+
+Tolerance (bf16 kernel vs fp32 reference): relative L2 of the output <= 1e-2 (bf16 P
+and bf16 output rounding give ~3e-3), |lse - lse_ref| <= 2e-3 where finite, and the
+rows that see nothing (lse = -inf, out = 0) agree exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from snapmla_jax.pallas import common
+from snapmla_jax.pallas.common import TuningConfig
+from snapmla_jax.pallas.mla_decode_bf16 import _decode, mla_decode_bf16
+from snapmla_jax.pallas.testing import lse_error, make_case, rel_l2
+from snapmla_jax.reference import mla_decode_reference
+
+SCALE = 576 ** -0.5
+OUT_RTOL = 1e-2
+LSE_ATOL = 2e-3
+
+
+def run_and_check(case, *, s_q, causal=True, config=None, interpret=False):
+  bf = lambda x: x.astype(jnp.bfloat16)
+  q_nope, q_rope = bf(case.q_nope), bf(case.q_rope)
+  out, lse = mla_decode_bf16(q_nope, q_rope, case.caches["bf16"].latent, case.block_table,
+                             case.seq_lens, softmax_scale=SCALE, causal=causal,
+                             config=config, interpret=interpret)
+  assert out.shape == q_nope.shape and out.dtype == jnp.bfloat16
+  assert lse.shape == (q_nope.shape[0], q_nope.shape[2], s_q)
+  ckv = bf(case.ckv).astype(jnp.float32)
+  k_rope = bf(case.k_rope).astype(jnp.float32)
+  ref_out, ref_lse = mla_decode_reference(q_nope, q_rope, ckv, k_rope, case.seq_lens,
+                                          softmax_scale=SCALE, causal=causal)
+  out = np.asarray(out, np.float32)
+  assert np.all(np.isfinite(out))
+  err = rel_l2(out, ref_out)
+  lerr = lse_error(lse, ref_lse)
+  assert err <= OUT_RTOL, err
+  assert lerr <= LSE_ATOL, lerr
+  empty = np.isneginf(np.asarray(ref_lse)).transpose(0, 2, 1)  # [b, s_q, h]
+  assert np.all(out[empty] == 0)
+  return err, lerr
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+  yield
+
+
+# ---------------------------------------------------------------------------------------
+# Tier 1: GPU interpret mode on CPU (races detected), small shapes.
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seq_lens,s_q,heads,splits", [
+    ([100, 3], 2, 16, None),       # partial pages with NaN tails, s_q = 2 causal
+    ([1, 130], 2, 16, 2),          # seq_len 1 at s_q = 2: a row that sees nothing; empty split
+    ([64, 200], 1, 48, 3),         # full page, heads off the tile size, 3 splits
+])
+def test_interpret(seq_lens, s_q, heads, splits):
+  case = make_case(0, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
+  run_and_check(case, s_q=s_q, config=TuningConfig(num_splits=splits), interpret=True)
+
+
+@pytest.mark.timeout(120)
+def test_interpret_two_row_tiles_not_causal():
+  case = make_case(1, [70], s_q=2, heads=64, kinds=("bf16",))
+  run_and_check(case, s_q=2, causal=False, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Tier 2: CUDA lowering on CPU at production shapes.
+
+def lower(batch, s_q, heads, context, config=TuningConfig()):
+  args = (jax.ShapeDtypeStruct((batch, s_q, heads, 512), jnp.bfloat16),
+          jax.ShapeDtypeStruct((batch, s_q, heads, 64), jnp.bfloat16),
+          jax.ShapeDtypeStruct((batch * context // 64, 64, 576), jnp.bfloat16),
+          jax.ShapeDtypeStruct((batch, context // 64), jnp.int32),
+          jax.ShapeDtypeStruct((batch,), jnp.int32))
+  f = lambda *a: _decode(*a, softmax_scale=SCALE, causal=True, config=config, interpret=False)
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch,s_q,heads,context", [
+    (32, 1, 128, 16384), (128, 2, 16, 65536), (1, 1, 128, 131072)])
+def test_lowers_for_cuda(batch, s_q, heads, context):
+  assert "mosaic_gpu" in lower(batch, s_q, heads, context)
+
+
+def test_rejects_bad_inputs():
+  case = make_case(0, [10], kinds=("bf16",))
+  q = case.q_nope.astype(jnp.bfloat16)
+  r = case.q_rope.astype(jnp.bfloat16)
+  latent = case.caches["bf16"].latent
+  with pytest.raises(ValueError, match="q_rope"):
+    mla_decode_bf16(q, q[..., :32], latent, case.block_table, case.seq_lens,
+                    softmax_scale=SCALE, interpret=True)
+  with pytest.raises(ValueError, match="latent"):
+    mla_decode_bf16(q, r, latent.astype(jnp.float32), case.block_table, case.seq_lens,
+                    softmax_scale=SCALE, interpret=True)
+  with pytest.raises(ValueError, match="seq_lens"):
+    mla_decode_bf16(q, r, latent, case.block_table, case.seq_lens[:0],
+                    softmax_scale=SCALE, interpret=True)
+  with pytest.raises(ValueError, match="num_stages"):
+    TuningConfig(num_stages=1)
+
+
+def test_needs_hopper_unless_interpreting():
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("on a GPU")
+  case = make_case(0, [10], kinds=("bf16",))
+  with pytest.raises(NotImplementedError, match="Hopper"):
+    mla_decode_bf16(case.q_nope.astype(jnp.bfloat16), case.q_rope.astype(jnp.bfloat16),
+                    case.caches["bf16"].latent, case.block_table, case.seq_lens,
+                    softmax_scale=SCALE)
+
+
+# ---------------------------------------------------------------------------------------
+# Tier 3: the H200.
+
+def _lens(seed, batch, low, high):
+  return np.random.default_rng(seed).integers(low, high + 1, batch)
+
+
+GPU_GRID = [
+    # (batch, s_q, heads, seq_lens)
+    (1, 1, 16, [1]),
+    (2, 2, 16, [1, 65]),
+    (4, 1, 32, [64, 127, 128, 1000]),
+    (3, 2, 64, [5000, 63, 2]),
+    (8, 1, 128, list(_lens(0, 8, 1, 4096))),
+    (8, 2, 128, list(_lens(1, 8, 1, 4096))),
+    (2, 1, 128, [1, 100_000]),
+    (2, 2, 16, [100_000, 1]),
+    (1, 1, 64, [131072]),
+    (128, 1, 16, list(_lens(2, 128, 1, 2048))),
+    (64, 2, 32, list(_lens(3, 64, 1, 1024))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
+def test_gpu_vs_reference(batch, s_q, heads, seq_lens):
+  case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
+  err, lerr = run_and_check(case, s_q=s_q)
+  print(f"bf16 b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,stages", [(1, 2), (5, 2), (64, 2)])
+def test_gpu_splits(splits, stages):
+  case = make_case(7, [3000, 17, 640], s_q=2, heads=128, kinds=("bf16",))
+  run_and_check(case, s_q=2, config=TuningConfig(num_stages=stages, num_splits=splits))
+
+
+@pytest.mark.gpu
+def test_gpu_zero_tokens_and_not_causal():
+  case = make_case(8, [300, 64], s_q=2, heads=16, kinds=("bf16",), zero_tokens=100)
+  run_and_check(case, s_q=2, causal=False)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic():
+  case = make_case(9, [2000, 50], s_q=1, heads=128, kinds=("bf16",))
+  args = (case.q_nope.astype(jnp.bfloat16), case.q_rope.astype(jnp.bfloat16),
+          case.caches["bf16"].latent, case.block_table, case.seq_lens)
+  a = mla_decode_bf16(*args, softmax_scale=SCALE)
+  b = mla_decode_bf16(*args, softmax_scale=SCALE)
+  np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+  np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
