@@ -105,12 +105,12 @@ def _decode_xla_bf16(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_sc
   mask = attention_mask(seq_lens, s_q, s_k, causal)[:, :, None, :]
   scores = jnp.where(mask, scores * softmax_scale, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN propagates
   p = jnp.exp(scores - row_max)
   denom = jnp.sum(p, axis=-1)
   out = jnp.einsum("bqhk,bkc->bqhc", p.astype(jnp.bfloat16), latent[..., :rank],
                    preferred_element_type=jnp.float32)
-  seen = denom > 0
+  seen = denom != 0  # NaN (a non-finite token) is seen, and poisons the row
   safe = jnp.where(seen, denom, 1.0)
   out = jnp.where(seen[..., None], out / safe[..., None], 0.0)
   lse = jnp.where(seen, row_max[..., 0] + jnp.log(safe), -jnp.inf)
@@ -145,8 +145,12 @@ def _check_inputs(q_nope, q_rope, cache, block_table, seq_lens) -> None:
       raise ValueError(
           f"seq_lens must be in [0, max_pages * page_size = {capacity}], got "
           f"min {lens.min()} max {lens.max()}")
-  if not isinstance(block_table, jax.core.Tracer):
+  if not isinstance(block_table, jax.core.Tracer) and not isinstance(seq_lens, jax.core.Tracer):
+    # Only the pages that hold tokens are read; other entries may hold anything.
     table = np.asarray(block_table)
-    if table.size and (table.min() < 0 or table.max() >= cache.num_pages):
-      raise ValueError(f"block_table entries must be pages in [0, {cache.num_pages}), "
-                       f"got min {table.min()} max {table.max()}")
+    pages_used = -(-np.asarray(seq_lens) // cache.page_size)
+    used = np.arange(table.shape[1])[None, :] < pages_used[:, None]
+    if used.any() and (table[used].min() < 0 or table[used].max() >= cache.num_pages):
+      raise ValueError(f"block_table entries of pages that hold tokens must be in "
+                       f"[0, {cache.num_pages}), got min {table[used].min()} "
+                       f"max {table[used].max()}")

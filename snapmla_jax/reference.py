@@ -66,12 +66,13 @@ def mla_decode_reference(q_nope: jax.Array, q_rope: jax.Array, ckv: jax.Array,
             + jnp.einsum("bqhr,bkr->bqhk", f32(q_rope), k_rope, precision=_HI))
   scores = jnp.where(mask, scores * softmax_scale, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # NaN propagates
   p = jnp.exp(scores - row_max)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   out = jnp.einsum("bqhk,bkc->bqhc", p, ckv, precision=_HI)
-  out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
-  lse = jnp.where(denom > 0, jnp.log(denom) + row_max, -jnp.inf)[..., 0]
+  seen = denom != 0  # NaN (a non-finite token) is seen, and poisons the row
+  out = jnp.where(seen, out / jnp.where(seen, denom, 1.0), 0.0)
+  lse = jnp.where(seen, jnp.log(denom) + row_max, -jnp.inf)[..., 0]
   return out, jnp.transpose(lse, (0, 2, 1))
 
 
@@ -139,8 +140,8 @@ def snapmla_emulate(q_nope: jax.Array, q_rope: jax.Array, cache, block_table: ja
   scores = blocked(scores, -jnp.inf)
   block_max = jnp.max(scores, axis=-1)
   running_max = jax.lax.cummax(block_max, axis=3)  # m_k, monotonic in k
-  m_k = jnp.where(jnp.isfinite(running_max), running_max, 0.0)
-  e = jnp.where(jnp.isfinite(scores), jnp.exp(scores - m_k[..., None]), 0.0)
+  m_k = jnp.where(running_max == -jnp.inf, 0.0, running_max)  # NaN propagates
+  e = jnp.exp(scores - m_k[..., None])  # masked: exp(-inf) = 0
   e_fused = e * blocked(jnp.broadcast_to(k_s[:, None, None, :], mask.shape[:2] + (heads, s_k)), 0.0)
   sigma = jnp.maximum(jnp.max(e_fused, axis=-1) / quant.E4M3_MAX, quant.SCALE_EPS)
   p_q = quant.to_e4m3(e_fused / sigma[..., None]).astype(jnp.float32)
@@ -152,7 +153,7 @@ def snapmla_emulate(q_nope: jax.Array, q_rope: jax.Array, cache, block_table: ja
   weight = decay * sigma  # [b, q, h, blocks]
   v_q = jnp.pad(k_c, [(0, 0), (0, pad), (0, 0)]).reshape(batch, num_blocks, PV_BLOCK, -1)
   out = jnp.einsum("bqhnt,bntc->bqhc", p_q * weight[..., None], v_q, **hi)
-  seen = denom > 0
+  seen = denom != 0  # NaN (a non-finite token) is seen, and poisons the row
   out = jnp.where(seen[..., None], out / jnp.where(seen, denom, 1.0)[..., None], 0.0)
   lse = jnp.where(seen, m_last[..., 0] + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
   return out, jnp.transpose(lse, (0, 2, 1))
