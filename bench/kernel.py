@@ -83,7 +83,6 @@ def impls():
                               softmax_scale=SCALE, pv=pv)
       return f
     out["fp8-f16"] = ("fp8", fp8("f16"))
-    out["fp8-fp8"] = ("fp8", fp8("fp8"))
   except ImportError:
     pass
   out["xla-bf16"] = ("bf16", lambda q, r, c, bt, sl: mla_decode(
