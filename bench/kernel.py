@@ -23,6 +23,7 @@ import numpy as np
 
 from snapmla_jax import mla_decode
 from snapmla_jax.cache import PagedLatentCache
+from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import mla_decode_bf16
 
 BF16_PEAK = 989e12     # dense bf16 tensor-core peak (datasheet), TFLOP/s
@@ -70,7 +71,7 @@ def measure(f, *args, iterations=20):
   return statistics.median(times) * 1e-3   # seconds
 
 
-def impls():
+def impls(fp8_config=None):
   out = {"bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
       q, r, c.latent, bt, sl, softmax_scale=SCALE))}
   try:
@@ -80,9 +81,10 @@ def impls():
       def f(q, r, c, bt, sl):
         qc, qs, qr = quant.quantize_query(q, r)
         return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
-                              softmax_scale=SCALE, pv=pv)
+                              softmax_scale=SCALE, pv=pv, config=fp8_config)
       return f
     out["fp8-f16"] = ("fp8", fp8("f16"))
+    out["fp8-fp8"] = ("fp8", fp8("fp8"))
   except ImportError:
     pass
   out["xla-bf16"] = ("bf16", lambda q, r, c, bt, sl: mla_decode(
@@ -95,9 +97,11 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--md", default=None)
   parser.add_argument("--skip", default="", help="comma-separated impls to leave out")
+  parser.add_argument("--fp8-stages", type=int, default=None,
+                      help="SMEM ring depth of the FP8 kernels (TuningConfig.num_stages)")
   args = parser.parse_args()
   shapes = QUICK if args.quick else SHAPES
-  table = impls()
+  table = impls(None if args.fp8_stages is None else TuningConfig(num_stages=args.fp8_stages))
   for name in filter(None, args.skip.split(",")):
     table.pop(name, None)
   rows = []

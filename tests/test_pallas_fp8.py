@@ -79,7 +79,7 @@ def lower(batch, s_q, heads, context, pv, config=TuningConfig()):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pv", ["f16"])
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
 @pytest.mark.parametrize("batch,s_q,heads,context", [
     (32, 1, 128, 16384), (128, 2, 16, 65536), (1, 1, 128, 131072)])
 def test_lowers_for_cuda(batch, s_q, heads, context, pv):
@@ -129,7 +129,7 @@ GPU_GRID = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["f16"])
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
 def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv):
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
@@ -140,7 +140,7 @@ def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["f16"])
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
 @pytest.mark.parametrize("splits,stages", [(1, 2), (5, 2), (64, 2)])
 def test_gpu_splits(splits, stages, pv):
   case = make_case(7, [3000, 17, 640], s_q=2, heads=128, kinds=("fp8",))
@@ -148,7 +148,7 @@ def test_gpu_splits(splits, stages, pv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["f16"])
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
 def test_gpu_not_causal(pv):
   case = make_case(8, [300, 64], s_q=2, heads=16, kinds=("fp8",), zero_tokens=100)
   run_and_check(case, s_q=2, causal=False, pv=pv)

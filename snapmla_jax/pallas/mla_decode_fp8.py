@@ -21,6 +21,14 @@ zero for a row (masked) keeps the previous scale instead of the epsilon.
 * ``"f16"``: each compute warpgroup dequantizes its ``[64, 256]`` half of the page
   e4m3 -> f16 (exact) into SMEM and runs a 16-bit wgmma with ``P_q`` in f16 (exact).
   The stepping stone, and the baseline that the FP8 route is measured against.
+* ``"fp8"``: an E4M3 wgmma. FP8 wgmma needs V^T k-major (tokens contiguous) and the
+  cache is token-major; 8-bit SMEM transposes do not lower in 0.11.2, so each compute
+  warpgroup builds its ``[256, 64]`` half of V^T from two 16-bit transposed loads of
+  the page (token rows u and u + 32) whose bytes it interleaves (FA3's construction,
+  ``../shared/notes/fp8-pv.md``). This pairs token u with u + 32: V^T column ``2u + h``
+  holds token ``u + 32h``, and ``P_q`` is packed in the same order. It also
+  de-interleaves the latent dims (column ``n`` of a half holds dim ``2n`` for n < 128,
+  ``2(n - 128) + 1`` after), undone by one gather of the merged output.
 
 Tokens past ``seq_len`` may hold NaN: their scores are masked, their ``P'`` is zeroed and
 their V rows are zeroed before ``P V`` (``0 * NaN`` is NaN).
@@ -33,6 +41,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -42,8 +51,10 @@ from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_TILE,
                                        ROPE_DIM, TuningConfig)
 
-PvImpl = Literal["f16"]
+PvImpl = Literal["f16", "fp8"]
 _FP8 = jnp.float8_e4m3fn
+_U16 = jnp.uint16
+_HALF_PAGE = PAGE_SIZE // 2
 
 
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
@@ -53,14 +64,18 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             factor_smem, lse_smem,                               # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            in_place: bool):
+            pv_impl: PvImpl, in_place: bool):
   row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
   wg = lax.axis_index("wg")
   first_page = ranges_ref[b, split, 0]
   num_steps = ranges_ref[b, split, 1] - first_page
   seq_len = lens_ref[b]
   rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)
-  v_smem = (v0_smem, v1_smem)  # each compute warpgroup's f16 half of V
+  v_smem = (v0_smem, v1_smem)  # each compute warpgroup's half of V (f16) or V^T (fp8)
+  if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
+    (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
+    (vt0_smem, vt0_16), (vt1_smem, vt1_16) = v_smem
+    v_smem, vt16_smem = (vt0_smem, vt1_smem), (vt0_16, vt1_16)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -92,8 +107,39 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                                                             jnp.zeros_like(tile))
     plgpu.commit_smem()
 
+  def transpose_v(slot, half, first_token):
+    """``vt16_smem[half]``: the half's V^T, E4M3 bytes of tokens u, u + 32 interleaved."""
+    shape = (64, _HALF_PAGE)  # (u16 columns of the page = pairs of latent dims, u)
+    token = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + first_token
+    for chunk in range(2):  # 128 latent dims = 64 u16 columns each
+      cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
+      lo_rows = plgpu.load(kc16_smem.at[slot, :_HALF_PAGE, cols].T, layout=plgpu.Layout.WGMMA)
+      hi_rows = plgpu.load(kc16_smem.at[slot, _HALF_PAGE:, cols].T, layout=plgpu.Layout.WGMMA)
+      lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
+      hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
+      even = (lo_rows & _U16(0xFF)) | (hi_rows << 8)       # dims 2j: (V[u, 2j], V[u+32, 2j])
+      odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))       # dims 2j + 1
+      vt16_smem[half].at[pl.ds(chunk * 64, 64)][...] = even
+      vt16_smem[half].at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
+    plgpu.commit_smem()
+
+  def store_p(p_q):
+    """``P_q`` (e4m3 ``[64, 64]``) into SMEM in the order of V's rows for ``P V``."""
+    if pv_impl == "f16":
+      p_smem[...] = p_q.astype(jnp.float16)
+    else:  # column 2u + h holds token u + 32h, as V^T
+      bits = lambda x: lax.bitcast_convert_type(x, jnp.uint8).astype(_U16)
+      p16_smem[...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)
+
+  def prepare_v(slot, half, first_token):
+    if pv_impl == "f16":
+      dequantize_v(slot, half, first_token)
+    else:
+      transpose_v(slot, half, first_token)
+
   def pv(acc, half):
-    return common.accumulate_pv(acc, p_smem, v_smem[half], in_place=in_place)
+    v = v_smem[half] if pv_impl == "f16" else v_smem[half].T
+    return common.accumulate_pv(acc, p_smem, v, in_place=in_place)
 
   def finish(acc, half, factor):
     out = acc * common.row_broadcast(factor, acc.shape)
@@ -138,12 +184,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       p_q = (p_fused / common.row_broadcast(sigma, s.shape)).astype(_FP8)
       factor = alpha * (sigma_i / sigma)
 
-      dequantize_v(slot, 0, first_token)
+      prepare_v(slot, 0, first_token)
 
       @pl.when(step > 0)
       def _():
         plgpu.barrier_wait(p_free)          # wg 1 done with the previous P and factor
-      p_smem[...] = p_q.astype(jnp.float16)
+      store_p(p_q)
       factor_smem[...] = factor
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready)
@@ -177,7 +223,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     def step_fn(step, acc):
       slot = lax.rem(step, num_stages)
       plgpu.barrier_wait(kv_ready.at[slot * 3])  # the content: overlap wg 0's QK
-      dequantize_v(slot, 1, (first_page + step) * PAGE_SIZE)
+      prepare_v(slot, 1, (first_page + step) * PAGE_SIZE)
       plgpu.barrier_wait(p_ready)
       factor = factor_smem[...]
       acc = pv(acc * common.row_broadcast(factor, acc.shape), 1)
@@ -194,7 +240,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                                              "interpret"))
 def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens, *,
             softmax_scale, causal, config: TuningConfig, pv: PvImpl, interpret: bool):
-  del pv  # one implementation so far
   batch, s_q, heads, _ = q_content.shape
   row_tiles = common.num_row_tiles(s_q, heads)
   padded = row_tiles * QUERY_TILE
@@ -208,7 +253,18 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
 
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
-      num_stages=stages, in_place=not interpret)
+      num_stages=stages, pv_impl=pv, in_place=not interpret)
+  if pv == "f16":
+    content_buf = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
+    v_buf = common.smem((PAGE_SIZE, HALF_DIM), jnp.float16)
+    p_buf = common.smem((QUERY_TILE, PAGE_SIZE), jnp.float16)
+  else:
+    content_buf = plgpu.RefUnion(common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8),
+                                 common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
+    v_buf = plgpu.RefUnion(common.smem((HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
+                           common.smem((HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
+    p_buf = plgpu.RefUnion(common.smem((QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
+                           common.smem((QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -217,12 +273,12 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
           common.smem((QUERY_TILE, CONTENT_DIM), _FP8),
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           common.smem((QUERY_TILE, ROPE_DIM), jnp.bfloat16),
-          common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8),
+          content_buf,
           plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
           common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
-          common.smem((PAGE_SIZE, HALF_DIM), jnp.float16),
-          common.smem((PAGE_SIZE, HALF_DIM), jnp.float16),
-          common.smem((QUERY_TILE, PAGE_SIZE), jnp.float16),
+          v_buf,
+          v_buf,
+          p_buf,
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(num_barriers=3),
@@ -238,14 +294,25 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(interpret),
   )(qc, qs, qr, content, scale, rope, block_table, ranges, seq_lens)
-  return common.unpack_outputs(out_parts, lse_parts, s_q, heads)
+  order = None if pv == "f16" else _FP8_PV_DIM_ORDER
+  return common.unpack_outputs(out_parts, lse_parts, s_q, heads, out_dim_order=order)
+
+
+def _fp8_pv_dim_order() -> np.ndarray:
+  """``order[d]``: the kernel's output column holding latent dim ``d`` on the fp8 route."""
+  d = np.arange(CONTENT_DIM)
+  half, pair, parity = d // HALF_DIM, (d % HALF_DIM) // 2, d % 2
+  return half * HALF_DIM + parity * (HALF_DIM // 2) + pair
+
+
+_FP8_PV_DIM_ORDER = _fp8_pv_dim_order()
 
 
 def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
                    content: jax.Array, scale: jax.Array, rope: jax.Array,
                    block_table: jax.Array, seq_lens: jax.Array, *, softmax_scale: float,
                    causal: bool = True, config: TuningConfig | None = None,
-                   pv: PvImpl = "f16", interpret: bool = False):
+                   pv: PvImpl = "fp8", interpret: bool = False):
   """SnapMLA FP8 absorbed-MLA decode over a paged FP8 latent cache (Hopper kernel).
 
   The query and cache are quantized as ``quant.quantize_query`` / ``quantize_latent`` do.
@@ -281,8 +348,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   common.check_array("scale", scale, (num_pages, page_size), jnp.float32)
   common.check_array("rope", rope, (num_pages, page_size, ROPE_DIM), jnp.bfloat16)
   common.check_paging(block_table, seq_lens, batch, page_size)
-  if pv not in ("f16",):
-    raise ValueError(f'pv must be "f16", got {pv=!r}')
+  if pv not in ("f16", "fp8"):
+    raise ValueError(f'pv must be "f16" or "fp8", got {pv=!r}')
   return _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
                  config=config or TuningConfig(), pv=pv, interpret=bool(interpret))
