@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,14 @@ def accumulate_pv(acc, p_smem, v_smem, *, in_place: bool):
   return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
 
+PROFILE_DIR_ENV = "SNAPMLA_PROFILE_DIR"
+"""Set to a directory to record Mosaic GPU's in-kernel trace of every kernel call there
+(the ``jax.named_scope`` regions of each warpgroup, ``bench/profile_kernel.py``)."""
+
+
 def compiler_params():
   # No cross-warp reductions (row reductions stay inside a warp's quad): no scratch.
-  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+  profile_dir = os.environ.get(PROFILE_DIR_ENV, "")
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                              profile_space=512 if profile_dir else 0,  # lives in SMEM
+                              profile_dir=profile_dir, profile_bounds_check=bool(profile_dir))

@@ -87,12 +87,14 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       acc, m_i, l_i = carry
       slot = lax.rem(step, num_stages)
       first_token = (first_page + step) * PAGE_SIZE
-      plgpu.barrier_wait(kv_ready.at[slot])
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(kv_ready.at[slot])
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)
         return s_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+      with jax.named_scope("qk"):
+        s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
       visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
                                           heads=heads, causal=causal)
       s = jnp.where(visible, s * scale_log2, -jnp.inf)
@@ -105,6 +107,7 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       zero_tail(slot, first_token)
 
       @pl.when(step > 0)
+      @jax.named_scope("wait_p_free")
       def _():
         plgpu.barrier_wait(p_free)          # wg 1 done with the previous P and alpha
       p_smem[...] = p.astype(jnp.bfloat16)
@@ -112,7 +115,8 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready)
 
-      acc = pv(acc * common.row_broadcast(alpha, acc.shape), slot, 0)
+      with jax.named_scope("pv"):
+        acc = pv(acc * common.row_broadcast(alpha, acc.shape), slot, 0)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc, m_new, l_i
 
@@ -139,9 +143,11 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
 
     def step_fn(step, acc):
       slot = lax.rem(step, num_stages)
-      plgpu.barrier_wait(p_ready)
+      with jax.named_scope("wait_p"):
+        plgpu.barrier_wait(p_ready)
       alpha = alpha_smem[...]
-      acc = pv(acc * common.row_broadcast(alpha, acc.shape), slot, 1)
+      with jax.named_scope("pv"):
+        acc = pv(acc * common.row_broadcast(alpha, acc.shape), slot, 1)
       plgpu.barrier_arrive(p_free)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc

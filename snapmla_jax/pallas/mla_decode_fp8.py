@@ -158,43 +158,47 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       acc, m_i, l_i, sigma_i = carry
       slot = lax.rem(step, num_stages)
       first_token = (first_page + step) * PAGE_SIZE
-      for i in range(3):
-        plgpu.barrier_wait(kv_ready.at[slot * 3 + i])
+      with jax.named_scope("wait_kv"):
+        for i in range(3):
+          plgpu.barrier_wait(kv_ready.at[slot * 3 + i])
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)
         plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
         return s_ref[...]
-      s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-      k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
-                                     s.shape, [1])
-      visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
-                                          heads=heads, causal=causal)
-      s = jnp.where(visible, s * common.row_broadcast(q_scale, s.shape) * k_scale, -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))
-      l_i = l_i * alpha + p.sum(axis=1)
-      # Scale-fused P' = P * scale_k, one E4M3 scale per (row, page).
-      p_fused = jnp.where(visible, p * k_scale, 0.0)
-      p_max = p_fused.max(axis=1)
-      sigma = jnp.where(p_max > 0,
-                        jnp.maximum(p_max / quant.E4M3_MAX, quant.SCALE_EPS), sigma_i)
-      p_q = (p_fused / common.row_broadcast(sigma, s.shape)).astype(_FP8)
-      factor = alpha * (sigma_i / sigma)
-
-      prepare_v(slot, 0, first_token)
-
-      @pl.when(step > 0)
-      def _():
-        plgpu.barrier_wait(p_free)          # wg 1 done with the previous P and factor
-      store_p(p_q)
-      factor_smem[...] = factor
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready)
-
-      acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)
+      with jax.named_scope("qk"):
+        s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+      with jax.named_scope("softmax"):
+        k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
+                                       s.shape, [1])
+        visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
+                                            heads=heads, causal=causal)
+        s = jnp.where(visible, s * common.row_broadcast(q_scale, s.shape) * k_scale, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))
+        l_i = l_i * alpha + p.sum(axis=1)
+      with jax.named_scope("quantize_p"):  # P' = P * scale_k, one E4M3 scale per (row, page)
+        p_fused = jnp.where(visible, p * k_scale, 0.0)
+        p_max = p_fused.max(axis=1)
+        sigma = jnp.where(p_max > 0,
+                          jnp.maximum(p_max / quant.E4M3_MAX, quant.SCALE_EPS), sigma_i)
+        p_q = (p_fused / common.row_broadcast(sigma, s.shape)).astype(_FP8)
+        factor = alpha * (sigma_i / sigma)
+      with jax.named_scope("prepare_v"):
+        prepare_v(slot, 0, first_token)
+      with jax.named_scope("wait_p_free"):
+        @pl.when(step > 0)
+        def _():
+          plgpu.barrier_wait(p_free)        # wg 1 done with the previous P and factor
+      with jax.named_scope("store_p"):
+        store_p(p_q)
+        factor_smem[...] = factor
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_ready)
+      with jax.named_scope("pv"):
+        acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc, m_new, l_i, sigma
 
@@ -222,11 +226,15 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
     def step_fn(step, acc):
       slot = lax.rem(step, num_stages)
-      plgpu.barrier_wait(kv_ready.at[slot * 3])  # the content: overlap wg 0's QK
-      prepare_v(slot, 1, (first_page + step) * PAGE_SIZE)
-      plgpu.barrier_wait(p_ready)
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(kv_ready.at[slot * 3])  # the content: overlap wg 0's QK
+      with jax.named_scope("prepare_v"):
+        prepare_v(slot, 1, (first_page + step) * PAGE_SIZE)
+      with jax.named_scope("wait_p"):
+        plgpu.barrier_wait(p_ready)
       factor = factor_smem[...]
-      acc = pv(acc * common.row_broadcast(factor, acc.shape), 1)
+      with jax.named_scope("pv"):
+        acc = pv(acc * common.row_broadcast(factor, acc.shape), 1)
       plgpu.barrier_arrive(p_free)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc

@@ -1,0 +1,73 @@
+"""Where the decode kernels spend their time: Mosaic GPU's in-kernel trace, summarized.
+
+Runs each kernel once with ``SNAPMLA_PROFILE_DIR`` set, so that every warpgroup records
+the ``jax.named_scope`` regions of its loop (the first 512 events: the trace buffer is in
+SMEM) (``wait_kv``, ``qk``, ``softmax``, ``pv``, ...),
+and prints, per kernel and warpgroup, the mean time per CTA in each region and its share
+of the CTA's span. Differential timing without hardware counters (METHOD.md).
+
+  python bench/profile_kernel.py [--batch 32 --heads 128 --context 4096] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+
+import jax
+
+
+def summarize(trace_path: str, num_wgs: int = 3):
+  """``{(warpgroup, region): mean us per CTA}`` and the mean CTA span in us."""
+  with open(trace_path) as f:
+    events = json.load(f)["traceEvents"]
+  per_trace = collections.defaultdict(list)
+  for event in events:
+    per_trace[event["tid"]].append(event)
+  totals = collections.defaultdict(float)
+  spans = []
+  for tid, trace in per_trace.items():
+    wg = (tid - 1) % num_wgs
+    stack = []
+    for event in trace:
+      if event["ph"] == "B":
+        stack.append(event)
+      else:
+        begin = stack.pop()
+        totals[(wg, begin["name"])] += event["ts"] - begin["ts"]
+    spans.append(trace[-1]["ts"] - trace[0]["ts"])
+  num_ctas = len(per_trace) / num_wgs
+  return {k: v / num_ctas for k, v in totals.items()}, max(spans)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--context", type=int, default=4096)
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+
+  from bench.kernel import impls, make_inputs
+  # The trace buffer lives in SMEM, which the BF16 kernel's ring leaves no room for.
+  kernels = {k: v for k, v in impls().items() if k.startswith("fp8")}
+  q, r, caches, bt, sl = make_inputs(args.batch, args.heads, 1, args.context, {"bf16", "fp8"})
+  for name, (kind, f) in kernels.items():
+    trace_dir = os.path.join(args.out, f"trace-{name}")
+    os.makedirs(trace_dir, exist_ok=True)
+    os.environ["SNAPMLA_PROFILE_DIR"] = trace_dir
+    jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
+    del os.environ["SNAPMLA_PROFILE_DIR"]
+    trace = sorted(glob.glob(os.path.join(trace_dir, "*-trace.json")))[-1]
+    regions, span = summarize(trace)
+    print(f"\n{name}: b{args.batch} h{args.heads} {args.context} tokens, "
+          f"longest CTA {span:.1f} us")
+    for (wg, region), us in sorted(regions.items()):
+      print(f"  wg{wg} {region:<12} {us:8.1f} us/CTA")
+
+
+if __name__ == "__main__":
+  main()
