@@ -1,7 +1,7 @@
 """FP8 E4M3 quantization of MLA latents and queries (SnapMLA section 3.1).
 
 RoPE-aware per-token quantization: the 512-wide latent content of each token is
-E4M3 with one fp32 scale per token, ``scale = max(amax(|content|) / 448, SCALE_EPS)``;
+E4M3 with one fp32 scale per token, ``scale = max(amax(|content|) * f32(1/448), SCALE_EPS)``;
 the 64-wide RoPE part stays BF16 but is stored divided by that token's scale
 (eq. 6), so that ``content_q . content_k + rope_q' . rope_k'`` accumulates in one
 fp32 accumulator and ``scale_q * scale_k`` restores the logit.
@@ -27,6 +27,10 @@ import numpy as np
 E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
 
+INV_E4M3_MAX = np.float32(1.0 / E4M3_MAX)
+"""Every scale is ``amax * INV_E4M3_MAX``: one f32 multiply, bit-exact in XLA, numpy and
+the kernels (a division by 448 is not what XLA emits for all shapes)."""
+
 SCALE_EPS = 1e-8
 """Floor of every dynamic scale: an all-zero token quantizes to zeros, not NaN."""
 
@@ -34,9 +38,9 @@ FP8 = jnp.float8_e4m3fn
 
 
 def _absmax_scale(x: jax.Array, axis) -> jax.Array:
-  """``max(amax(|x|) / 448, SCALE_EPS)`` over ``axis``; NaN where x is non-finite."""
+  """``max(amax(|x|) * f32(1/448), SCALE_EPS)`` over ``axis``; NaN where x is non-finite."""
   amax = jnp.max(jnp.abs(x), axis=axis)
-  scale = jnp.maximum(amax / E4M3_MAX, SCALE_EPS)
+  scale = jnp.maximum(amax * INV_E4M3_MAX, SCALE_EPS)
   return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
 
 
@@ -78,7 +82,7 @@ def quantize_latent(ckv: jax.Array, k_rope: jax.Array):
 
   Returns:
     ``(content, scale, rope)``: content ``float8_e4m3fn [..., 512]`` =
-    round(ckv * (1 / scale)); scale ``float32 [...]`` = max(amax|ckv| / 448, SCALE_EPS);
+    round(ckv * (1 / scale)); scale ``float32 [...]`` = max(amax|ckv| * f32(1/448), SCALE_EPS);
     rope ``bfloat16 [..., 64]`` = k_rope * (1 / scale).
   """
   _check_pair("ckv", ckv, "k_rope", k_rope)

@@ -92,7 +92,7 @@ def snapmla_emulate(q_nope: jax.Array, q_rope: jax.Array, cache, block_table: ja
   3. Blocks of ``PV_BLOCK`` tokens, in increasing order: the running max
      ``m_k = max(m_{k-1}, max_block s)`` (monotonic), ``e_j = exp(s_j - m_k)``.
   4. Scale-fused P: ``e~_j = e_j * s_k,j``; one dynamic scale per (row, block),
-     ``sigma_k = max(amax_block(e~) / 448, eps)``; ``P_q = e4m3(e~ / sigma_k)``.
+     ``sigma_k = max(amax_block(e~) * (1/448), eps)``; ``P_q = e4m3(e~ * (1 / sigma_k))``.
   5. Eq. 12-13, kept in the true scale: ``O = sum_k sigma_k exp(m_k - m_K) P_q,k V_q,k``
      (V_q the E4M3 content), ``L = sum_k exp(m_k - m_K) sum_block e``: L sums the
      unquantized exponentials. ``out = O / L``, ``lse = m_K + log L``.
@@ -143,8 +143,8 @@ def snapmla_emulate(q_nope: jax.Array, q_rope: jax.Array, cache, block_table: ja
   m_k = jnp.where(running_max == -jnp.inf, 0.0, running_max)  # NaN propagates
   e = jnp.exp(scores - m_k[..., None])  # masked: exp(-inf) = 0
   e_fused = e * blocked(jnp.broadcast_to(k_s[:, None, None, :], mask.shape[:2] + (heads, s_k)), 0.0)
-  sigma = jnp.maximum(jnp.max(e_fused, axis=-1) / quant.E4M3_MAX, quant.SCALE_EPS)
-  p_q = quant.to_e4m3(e_fused / sigma[..., None]).astype(jnp.float32)
+  sigma = jnp.maximum(jnp.max(e_fused, axis=-1) * quant.INV_E4M3_MAX, quant.SCALE_EPS)
+  p_q = quant.to_e4m3(e_fused * (1.0 / sigma)[..., None]).astype(jnp.float32)
 
   m_last = m_k[..., -1:]
   decay = jnp.exp(m_k - m_last)  # exp(m_k - m_K)

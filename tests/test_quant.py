@@ -27,8 +27,8 @@ def test_quantize_latent_layout_and_definition(dtype):
   chex.assert_shape(rope, k_rope.shape)
   chex.assert_type([content, scale, rope], [jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16])
   x = np.asarray(ckv, np.float32)
-  want_scale = np.maximum(np.abs(x).max(-1) / 448.0, quant.SCALE_EPS)
-  np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+  want_scale = np.maximum(np.abs(x).max(-1) * np.float32(1 / 448), quant.SCALE_EPS)
+  np.testing.assert_array_equal(scale, want_scale)  # bit-exact, the convention
   # Each token's amax lands exactly on +-448; content is round-to-nearest E4M3.
   np.testing.assert_array_equal(np.abs(np.asarray(content, np.float32)).max(-1), 448.0)
   np.testing.assert_array_equal(

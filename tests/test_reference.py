@@ -69,7 +69,7 @@ def _eq12_13_recurrence(q_nope, q_rope, cache, block_table, seq_lens, s_q, causa
           m = max(m_prev, s.max())
           e = np.exp(s - m)
           e_fused = e * scale[i, j]
-          sigma = max(e_fused.max() / 448, quant.SCALE_EPS)
+          sigma = max(e_fused.max() * np.float32(1 / 448), quant.SCALE_EPS)
           p_q = np.asarray(quant.to_e4m3(jnp.asarray(e_fused / sigma, jnp.float32)), np.float64)
           decay = np.exp(m_prev - m) * sigma_prev / sigma if start else 0.0
           L = L * decay + e.sum() / sigma                      # eq. 12

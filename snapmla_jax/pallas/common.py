@@ -180,9 +180,9 @@ def visible_token_mask(first_token, seq_len, row_tile, *, s_q: int, heads: int, 
   whole sequence, never a token past it.
   """
   shape = (QUERY_TILE, PAGE_SIZE)
-  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
   tokens = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + first_token
-  if causal:
+  if causal and s_q > 1:  # with one query per sequence, causal is "< seq_len"
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     query = (rows + row_tile * QUERY_TILE) // heads
     last = jnp.minimum(seq_len - s_q + query, seq_len - 1)
   else:

@@ -7,8 +7,11 @@ The BF16 kernel's pipeline (``mla_decode_bf16``, ``common``) on the FP8 cache:
 * compute 0 (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32
   accumulator, restored by ``scale_q * scale_k``; online softmax (exp2 domain, the row sum
   ``l`` over the unquantized exponentials); scale-fused ``P' = P * scale_k``, quantized
-  to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into SMEM.
-* compute 1 (wg 1): the other half of ``O`` from the same ``P_q``.
+  to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into SMEM;
+  then its half of ``O``.
+* compute 1 (wg 1): prepares the page's V for ``P V`` (both halves, see ``pv=`` below)
+  while warpgroup 0 runs QK and the softmax, then the other half of ``O`` from the same
+  ``P_q``.
 
 Eq. 12-13 of the paper: each warpgroup keeps ``O`` in units of the latest block scale,
 ``O_true = sigma_k * acc``, so a step is ``acc <- acc * (alpha * sigma_{k-1} / sigma_k)
@@ -18,12 +21,12 @@ zero for a row (masked) keeps the previous scale instead of the epsilon.
 
 ``P_q V`` has two implementations (``pv=``):
 
-* ``"f16"``: each compute warpgroup dequantizes its ``[64, 256]`` half of the page
-  e4m3 -> f16 (exact) into SMEM and runs a 16-bit wgmma with ``P_q`` in f16 (exact).
-  The stepping stone, and the baseline that the FP8 route is measured against.
+* ``"f16"``: warpgroup 1 dequantizes the page e4m3 -> f16 (exact) into SMEM; both
+  compute warpgroups run a 16-bit wgmma with ``P_q`` in f16 (exact). The stepping stone,
+  and the baseline that the FP8 route is measured against.
 * ``"fp8"``: an E4M3 wgmma. FP8 wgmma needs V^T k-major (tokens contiguous) and the
-  cache is token-major; 8-bit SMEM transposes do not lower in 0.11.2, so each compute
-  warpgroup builds its ``[256, 64]`` half of V^T from two 16-bit transposed loads of
+  cache is token-major; 8-bit SMEM transposes do not lower in 0.11.2, so warpgroup 1
+  builds each ``[256, 64]`` half of V^T from two 16-bit transposed loads of
   the page (token rows u and u + 32) whose bytes it interleaves (FA3's construction,
   ``../shared/notes/fp8-pv.md``). This pairs token u with u + 32: V^T column ``2u + h``
   holds token ``u + 32h``, and ``P_q`` is packed in the same order. It also
@@ -62,7 +65,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             out_ref, lse_ref,                                    # outputs (GMEM)
             qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v0_smem, v1_smem, p_smem,
             factor_smem, lse_smem,                               # SMEM
-            q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
+            q_bar, kv_ready, kv_free, p_ready, p_free, v_ready, v_free,  # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool):
   row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
@@ -96,32 +99,33 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                                       (rope_ref, kr_smem))):
         plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + i])
 
-  def dequantize_v(slot, half, first_token):
-    """``v_smem[half] = f16(content[slot, :, half])``, tokens ``>= seq_len`` zeroed."""
+  def dequantize_v(slot, half, first_token, masked: bool):
+    """``v_smem[half] = f16(content[slot, :, half])``; ``masked``: tokens >= seq_len zeroed."""
     chunk = 128  # the E4M3 tile's swizzle width
     for c in range(0, HALF_DIM, chunk):
       tile = kc_smem.at[slot, :, pl.ds(half * HALF_DIM + c, chunk)][...].astype(jnp.float16)
-      tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, chunk), 0,
-                                      layout=plgpu.Layout.WGMMA) + first_token
-      v_smem[half].at[:, pl.ds(c, chunk)][...] = jnp.where(tokens < seq_len, tile,
-                                                            jnp.zeros_like(tile))
-    plgpu.commit_smem()
+      if masked:
+        tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, chunk), 0,
+                                        layout=plgpu.Layout.WGMMA) + first_token
+        tile = jnp.where(tokens < seq_len, tile, jnp.zeros_like(tile))
+      v_smem[half].at[:, pl.ds(c, chunk)][...] = tile
 
-  def transpose_v(slot, half, first_token):
+  def transpose_v(slot, half, first_token, masked: bool):
     """``vt16_smem[half]``: the half's V^T, E4M3 bytes of tokens u, u + 32 interleaved."""
     shape = (64, _HALF_PAGE)  # (u16 columns of the page = pairs of latent dims, u)
-    token = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + first_token
     for chunk in range(2):  # 128 latent dims = 64 u16 columns each
       cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
       lo_rows = plgpu.load(kc16_smem.at[slot, :_HALF_PAGE, cols].T, layout=plgpu.Layout.WGMMA)
       hi_rows = plgpu.load(kc16_smem.at[slot, _HALF_PAGE:, cols].T, layout=plgpu.Layout.WGMMA)
-      lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
-      hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
+      if masked:
+        token = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                       layout=plgpu.Layout.WGMMA) + first_token
+        lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
+        hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
       even = (lo_rows & _U16(0xFF)) | (hi_rows << 8)       # dims 2j: (V[u, 2j], V[u+32, 2j])
       odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))       # dims 2j + 1
       vt16_smem[half].at[pl.ds(chunk * 64, 64)][...] = even
       vt16_smem[half].at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
-    plgpu.commit_smem()
 
   def store_p(p_q):
     """``P_q`` (e4m3 ``[64, 64]``) into SMEM in the order of V's rows for ``P V``."""
@@ -131,11 +135,15 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       bits = lambda x: lax.bitcast_convert_type(x, jnp.uint8).astype(_U16)
       p16_smem[...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)
 
-  def prepare_v(slot, half, first_token):
-    if pv_impl == "f16":
-      dequantize_v(slot, half, first_token)
-    else:
-      transpose_v(slot, half, first_token)
+  def prepare_v(slot, first_token):
+    """Both halves of V (f16) or V^T (fp8) of the page; only a partial page is masked."""
+    build = dequantize_v if pv_impl == "f16" else transpose_v
+    for masked in (False, True):
+      @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
+      def _():
+        for half in range(common.NUM_COMPUTE_WGS):
+          build(slot, half, first_token, masked)
+    plgpu.commit_smem()
 
   def pv(acc, half):
     v = v_smem[half] if pv_impl == "f16" else v_smem[half].T
@@ -183,11 +191,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         p_fused = jnp.where(visible, p * k_scale, 0.0)
         p_max = p_fused.max(axis=1)
         sigma = jnp.where(p_max > 0,
-                          jnp.maximum(p_max / quant.E4M3_MAX, quant.SCALE_EPS), sigma_i)
-        p_q = (p_fused / common.row_broadcast(sigma, s.shape)).astype(_FP8)
+                          jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
+        p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)
         factor = alpha * (sigma_i / sigma)
-      with jax.named_scope("prepare_v"):
-        prepare_v(slot, 0, first_token)
       with jax.named_scope("wait_p_free"):
         @pl.when(step > 0)
         def _():
@@ -197,8 +203,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         factor_smem[...] = factor
         plgpu.commit_smem()
         plgpu.barrier_arrive(p_ready)
+      with jax.named_scope("wait_v"):
+        plgpu.barrier_wait(v_ready)
       with jax.named_scope("pv"):
         acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)
+      plgpu.barrier_arrive(v_free)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc, m_new, l_i, sigma
 
@@ -228,8 +237,14 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       slot = lax.rem(step, num_stages)
       with jax.named_scope("wait_kv"):
         plgpu.barrier_wait(kv_ready.at[slot * 3])  # the content: overlap wg 0's QK
+
+      @pl.when(step > 0)
+      @jax.named_scope("wait_v_free")
+      def _():
+        plgpu.barrier_wait(v_free)          # wg 0 done with the previous V
       with jax.named_scope("prepare_v"):
-        prepare_v(slot, 1, (first_page + step) * PAGE_SIZE)
+        prepare_v(slot, (first_page + step) * PAGE_SIZE)
+      plgpu.barrier_arrive(v_ready)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready)
       factor = factor_smem[...]
@@ -240,6 +255,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return acc
 
     acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((QUERY_TILE, HALF_DIM)))
+
+    @pl.when(num_steps > 0)
+    def _():
+      plgpu.barrier_wait(v_free)
     plgpu.barrier_wait(p_ready)
     finish(acc, 1, factor_smem[...])
 
@@ -292,6 +311,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
           plgpu.Barrier(num_barriers=3),
           plgpu.Barrier(num_barriers=3 * stages),
           plgpu.Barrier(num_arrivals=common.NUM_COMPUTE_WGS, num_barriers=stages),
+          plgpu.Barrier(),
+          plgpu.Barrier(),
           plgpu.Barrier(),
           plgpu.Barrier(),
       ],
