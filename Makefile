@@ -16,7 +16,7 @@ $(PY):
 setup: $(PY)
 
 demo: $(PY)
-	$(PY) -m snapmla_jax.demo
+	$(PY) -m models.cli
 
 test: $(PY)
 	$(PY) -m pytest -q

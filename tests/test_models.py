@@ -119,3 +119,10 @@ def test_config_accepts_rope_scaling_spelling(tmp_path, model, reference):
   (out / "config.json").write_text(json.dumps(config))
   ids = jnp.asarray(reference["input_ids"], jnp.int32)
   np.testing.assert_array_equal(np.asarray(load_pretrained(out)(ids)), np.asarray(model(ids)))
+
+
+def test_demo_command_runs(capsys):
+  from models import cli
+  cli.main(["--batch", "2", "--prompt-len", "9", "--new-tokens", "3"])
+  out = capsys.readouterr().out
+  assert "greedy-token match" in out and "fp8" in out and "bf16" in out
