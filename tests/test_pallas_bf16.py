@@ -19,7 +19,7 @@ import pytest
 from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import _decode, mla_decode_bf16
-from snapmla_jax.pallas.testing import lse_error, make_case, rel_l2
+from snapmla_jax.testing import lse_error, make_case, rel_l2
 from snapmla_jax.reference import mla_decode_reference
 
 SCALE = 576 ** -0.5

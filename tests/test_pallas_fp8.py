@@ -26,7 +26,7 @@ import pytest
 from snapmla_jax import quant
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_fp8 import _decode, mla_decode_fp8
-from snapmla_jax.pallas.testing import lse_error, make_case, rel_l2
+from snapmla_jax.testing import lse_error, make_case, rel_l2
 from snapmla_jax.reference import mla_decode_reference, snapmla_emulate
 
 SCALE = 576 ** -0.5

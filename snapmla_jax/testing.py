@@ -1,4 +1,4 @@
-"""Test and benchmark inputs for the kernels: paged caches built through the public API.
+"""Test and benchmark inputs: random paged caches built through the public API.
 
 ``make_case`` fills NaN-poisoned caches of both kinds with one ``append`` per kind (one
 compile, whatever the lengths), pages handed out in a shuffled order (permuted block
