@@ -9,6 +9,7 @@ import json
 import pathlib
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -126,3 +127,16 @@ def test_demo_command_runs(capsys):
   cli.main(["--batch", "2", "--prompt-len", "9", "--new-tokens", "3"])
   out = capsys.readouterr().out
   assert "greedy-token match" in out and "fp8" in out and "bf16" in out
+
+
+def test_sampling_with_a_fixed_key_is_reproducible(model):
+  key = jax.random.key(7)
+  sample = lambda k, **kw: generate(model, PROMPTS, 8, kv_cache="fp8", temperature=1.0,
+                                    key=k, **kw)
+  a = sample(key)
+  assert a == sample(key)
+  assert a != sample(jax.random.key(8))  # 16 tokens from a 96-token vocab at temperature 1
+  nucleus = sample(key, top_p=1e-6)     # only the top token survives: greedy
+  assert nucleus == generate(model, PROMPTS, 8, kv_cache="fp8")
+  with pytest.raises(ValueError, match="PRNG key"):
+    generate(model, PROMPTS, 2, temperature=0.5)
