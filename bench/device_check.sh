@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: the GPU-marked kernel tests, then the kernel benchmark; short table last.
-#   bash bench/device_check.sh [tests|bench|all] [extra bench args]
+#   bash bench/device_check.sh [tests|bench|profile|e2e|all] [extra bench args]
 # Full logs go to $OUT (the device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +17,11 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/kernel.py --md "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+if [[ $what == profile ]]; then
+  python3 bench/profile_kernel.py --out "$OUT/profile" 2>&1 | tee "$OUT/profile.log" | tail -40
+fi
+if [[ $what == e2e ]]; then
+  python3 bench/e2e.py --md "$OUT/e2e.md" "$@" 2>&1 | tee "$OUT/e2e.log" | tail -20
 fi
 exit $status

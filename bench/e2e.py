@@ -1,0 +1,109 @@
+"""End-to-end decode throughput: a DeepSeek-V3-attention model, FP8 vs BF16 latent caches.
+
+A random model with DeepSeek-V3's MLA shape (``DeepseekV3Config.demo``; 128 heads by
+default) at reduced depth decodes one token per sequence per step over caches that
+already hold ``context`` tokens per sequence (random latents written straight into
+the pages: a prefill of 128k tokens would cost more device time than it tells).
+Per (cache kind, context): median wall time of a jitted decode step (append + absorbed
+attention in every layer + MLP/MoE + sampling), warm-up excluded, tokens/s = batch /
+step time, and the FP8/BF16 ratio in the same run. The paper's figure 1, on one GPU.
+
+  python bench/e2e.py [--batch 32] [--heads 128] [--layers 2] [--contexts 16384 65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import DeepseekV3Config
+from models.deepseek_v3 import init_random
+from models.generation import DecodeState, _decode_step
+from snapmla_jax import quant
+from snapmla_jax.cache import PagedLatentCache
+
+
+def random_caches(num_layers, num_pages, kind, cfg, key):
+  """Per-layer caches whose every page holds random (normed-latent-like) tokens."""
+  caches = []
+  for layer in range(num_layers):
+    k1, k2 = jax.random.split(jax.random.fold_in(key, layer))
+    ckv = jax.random.normal(k1, (num_pages, 64, cfg.kv_lora_rank), jnp.bfloat16)
+    rope = 4 * jax.random.normal(k2, (num_pages, 64, cfg.qk_rope_head_dim), jnp.bfloat16)
+    if kind == "fp8":
+      content, scale, rope_scaled = jax.jit(quant.quantize_latent)(ckv, rope)
+      caches.append(PagedLatentCache(content, scale, rope_scaled, None, kind="fp8",
+                                     kv_lora_rank=cfg.kv_lora_rank,
+                                     rope_dim=cfg.qk_rope_head_dim))
+    else:
+      caches.append(PagedLatentCache(None, None, None, jnp.concatenate([ckv, rope], -1),
+                                     kind="bf16", kv_lora_rank=cfg.kv_lora_rank,
+                                     rope_dim=cfg.qk_rope_head_dim))
+  return tuple(caches)
+
+
+def decode_step_time(model, kind, batch, context, steps, key):
+  """Median seconds of one decode step at ``context`` cached tokens per sequence."""
+  cfg = model.cfg
+  pages_per_seq = -(-(context + steps + 1) // 64)
+  num_pages = batch * pages_per_seq
+  block_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
+  slot_table = (block_table[:, :, None] * 64 + jnp.arange(64)).reshape(batch, -1)
+  state = DecodeState(
+      caches=random_caches(len(model.layers), num_pages, kind, cfg, key),
+      tokens=jnp.ones((batch,), jnp.int32), positions=jnp.full((batch,), context, jnp.int32),
+      done=jnp.zeros((batch,), bool), out=jnp.zeros((batch, steps + 2), jnp.int32),
+      step=jnp.asarray(0, jnp.int32))
+  graphdef, params = nnx.split(model)
+  stop = jnp.asarray([-1], jnp.int32)
+  times = []
+  for i in range(steps + 1):
+    t0 = time.perf_counter()
+    state, logits = _decode_step(graphdef, params, state, slot_table, block_table, stop, None,
+                                 None, temperature=0.0, top_p=1.0)
+    jax.block_until_ready(logits)
+    if i:  # the first step compiles
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times), state.caches[0].bytes_per_token
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--layers", type=int, default=2, help="1 dense + the rest MoE")
+  parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--md", default=None, help="also write the table here")
+  args = parser.parse_args()
+  cfg = DeepseekV3Config.demo(num_attention_heads=args.heads, num_hidden_layers=args.layers)
+  model = init_random(cfg, dtype=jnp.bfloat16)
+  key = jax.random.key(0)
+  lines = ["| context | cache | bytes/token/layer | step (ms) | tokens/s | FP8 / BF16 |",
+           "|---|---|---|---|---|---|"]
+  for context in args.contexts:
+    rates = {}
+    for kind in ("bf16", "fp8"):
+      seconds, nbytes = decode_step_time(model, kind, args.batch, context, args.steps, key)
+      rates[kind] = args.batch / seconds
+      ratio = f"{rates['fp8'] / rates['bf16']:.2f}" if kind == "fp8" else ""
+      lines.append(f"| {context} | {kind} | {nbytes} | {seconds * 1e3:.3f} | "
+                   f"{rates[kind]:.0f} | {ratio} |")
+      print(lines[-1], flush=True)
+  header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}: batch {args.batch}, "
+            f"{args.heads} heads, {args.layers} layers")
+  print(header)
+  print("\n".join(lines))
+  if args.md:
+    with open(args.md, "w") as f:
+      f.write(header + "\n\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()
