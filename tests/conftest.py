@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Eight host devices for the sharding tests (set before jax creates its CPU backend).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 
 import jax
 import jax.numpy as jnp

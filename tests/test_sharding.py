@@ -1,0 +1,72 @@
+"""``mla_decode_sharded`` on (dp, tp) meshes of host devices equals single-device decode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from snapmla_jax import mla_decode
+from snapmla_jax.sharding import make_mesh, mla_decode_sharded, shard_cache
+from conftest import make_paged_batch, make_queries, rel_l2
+
+SEQ_LENS = [1, 70, 200, 64, 5, 130, 129, 33]   # 8 sequences
+HEADS = 8
+
+
+def _dp_shards(dp: int, kind: str):
+  """Per dp shard: its own page pool (equal sizes), block table of local ids, lengths."""
+  per_shard = len(SEQ_LENS) // dp
+  groups = [SEQ_LENS[i * per_shard:(i + 1) * per_shard] for i in range(dp)]
+  pages = [sum(-(-n // 64) for n in g) for g in groups]
+  width = max(-(-max(g) // 64) for g in groups)
+  shards = []
+  for i, group in enumerate(groups):
+    case = make_paged_batch(i, group, kinds=(kind,), spare_pages=max(pages) + 1 - pages[i])
+    table = jnp.pad(case.block_table, ((0, 0), (0, width - case.block_table.shape[1])),
+                    constant_values=2 ** 30)  # unused entries may hold anything
+    shards.append((case.caches[kind], table, case.seq_lens))
+  return shards
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("dp, tp", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_sharded_decode_equals_one_device(dp, tp, kind):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  shards = _dp_shards(dp, kind)
+  q_nope, q_rope = make_queries(0, len(SEQ_LENS), 2, HEADS)
+  per_shard = len(SEQ_LENS) // dp
+  want = [mla_decode(q_nope[i * per_shard:(i + 1) * per_shard],
+                     q_rope[i * per_shard:(i + 1) * per_shard], *shard, impl="xla")
+          for i, shard in enumerate(shards)]
+  want_out = jnp.concatenate([w[0] for w in want])
+  want_lse = jnp.concatenate([w[1] for w in want])
+
+  mesh = make_mesh(dp, tp)
+  cache = jax.tree.map(lambda *pages: jnp.concatenate(pages), *[s[0] for s in shards])
+  cache = shard_cache(cache, mesh)
+  for leaf in jax.tree.leaves(cache):  # each device holds its dp shard's pool, whole
+    assert {s.data.shape[0] for s in leaf.addressable_shards} == {leaf.shape[0] // dp}
+  block_table = jnp.concatenate([s[1] for s in shards])
+  seq_lens = jnp.concatenate([s[2] for s in shards])
+  decode = jax.jit(mla_decode_sharded, static_argnames=("mesh", "impl"))
+  out, lse = decode(q_nope, q_rope, cache, block_table, seq_lens, mesh=mesh, impl="xla")
+  assert {s.data.shape for s in out.addressable_shards} == {
+      (len(SEQ_LENS) // dp, 2, HEADS // tp, 512)}
+  assert rel_l2(out, want_out) < 1e-5
+  finite = np.isfinite(np.asarray(want_lse))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-5)
+
+
+def test_rejects_shapes_the_mesh_cannot_split():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  mesh = make_mesh(2, 4)
+  case = make_paged_batch(0, [10, 20], kinds=("bf16",), spare_pages=0)
+  q_nope, q_rope = make_queries(0, 2, 1, 6)
+  with pytest.raises(ValueError, match="heads"):
+    mla_decode_sharded(q_nope, q_rope, case.caches["bf16"], case.block_table, case.seq_lens,
+                       mesh=mesh)
+  with pytest.raises(ValueError, match="needs 12 devices"):
+    make_mesh(3, 4)
