@@ -14,12 +14,14 @@ Every leaf of a ``PagedLatentCache`` has the page as its leading axis, so one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from snapmla_jax.cache import PagedLatentCache
+from snapmla_jax.cache import PageAllocator, PagedLatentCache
 from snapmla_jax.decode import Impl, mla_decode
 
 DP, TP = "dp", "tp"
@@ -73,3 +75,51 @@ def mla_decode_sharded(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentC
       in_specs=(QUERY_SPEC, QUERY_SPEC, BATCH_SPEC, BATCH_SPEC, BATCH_SPEC),
       out_specs=(QUERY_SPEC, LSE_SPEC), check_vma=False)
   return sharded(q_nope, q_rope, cache, block_table, seq_lens)
+
+
+@dataclasses.dataclass
+class ShardedPageAllocator:
+  """One ``PageAllocator`` per dp shard over its own ``num_pages / dp`` pages.
+
+  Row ``r`` of the global batch belongs to dp shard ``r // (batch / dp)`` (``shard_map``'s
+  split). ``allocate`` returns global slots (for ``PagedLatentCache.append`` on the global
+  cache); ``block_table`` holds each shard's local page ids (for ``mla_decode_sharded``).
+  """
+
+  num_pages: int
+  page_size: int
+  max_pages_per_seq: int
+  batch: int
+  dp: int
+
+  def __post_init__(self):
+    if self.num_pages % self.dp or self.batch % self.dp:
+      raise ValueError(f"num_pages={self.num_pages} and batch={self.batch} must divide by "
+                       f"dp={self.dp}")
+    self.pages_per_shard = self.num_pages // self.dp
+    self.shards = [PageAllocator(self.pages_per_shard, self.page_size, self.max_pages_per_seq)
+                   for _ in range(self.dp)]
+
+  def shard_of(self, row: int) -> int:
+    if not 0 <= row < self.batch:
+      raise ValueError(f"row {row} is outside the batch of {self.batch}")
+    return row // (self.batch // self.dp)
+
+  def allocate(self, row: int, num_tokens: int) -> np.ndarray:
+    """Reserves the next ``num_tokens`` of batch row ``row``: global slots, int32."""
+    shard = self.shard_of(row)
+    local = self.shards[shard].allocate(row, num_tokens)
+    return local + np.int32(shard * self.pages_per_shard * self.page_size)
+
+  def free(self, row: int) -> None:
+    self.shards[self.shard_of(row)].free(row)
+
+  def block_table(self) -> np.ndarray:
+    """int32 ``[batch, max_pages_per_seq]``, page ids local to each row's shard."""
+    return np.concatenate([self.shards[self.shard_of(r)].block_table([r])
+                           for r in range(self.batch)])
+
+  def seq_lens(self) -> np.ndarray:
+    """int32 ``[batch]``."""
+    return np.concatenate([self.shards[self.shard_of(r)].seq_lens([r])
+                           for r in range(self.batch)])

@@ -70,3 +70,30 @@ def test_rejects_shapes_the_mesh_cannot_split():
                        mesh=mesh)
   with pytest.raises(ValueError, match="needs 12 devices"):
     make_mesh(3, 4)
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 4), (8, 1)])
+def test_sharded_allocator_append_then_decode(dp, tp):
+  """Global appends at the allocator's slots, sharded decode with its local block tables."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host devices")
+  from snapmla_jax import PagedLatentCache, mla_decode_reference
+  from snapmla_jax.sharding import ShardedPageAllocator
+  batch, pages_per_shard = len(SEQ_LENS), 8
+  alloc = ShardedPageAllocator(dp * pages_per_shard, 64, 4, batch, dp)
+  rng = np.random.default_rng(1)
+  ckv = rng.standard_normal((batch, 256, 512)).astype(np.float32)
+  k_rope = rng.standard_normal((batch, 256, 64)).astype(np.float32)
+  cache = PagedLatentCache.create(dp * pages_per_shard, kind="bf16", fill=np.nan)
+  for row, n in enumerate(SEQ_LENS):
+    cache = cache.append(jnp.asarray(ckv[row, :n]), jnp.asarray(k_rope[row, :n]),
+                         jnp.asarray(alloc.allocate(row, n)))
+  mesh = make_mesh(dp, tp)
+  q_nope, q_rope = make_queries(1, batch, 1, HEADS)
+  out, _ = mla_decode_sharded(q_nope, q_rope, shard_cache(cache, mesh),
+                              jnp.asarray(alloc.block_table()), jnp.asarray(alloc.seq_lens()),
+                              mesh=mesh, softmax_scale=576 ** -0.5, impl="xla")
+  ref, _ = mla_decode_reference(q_nope, q_rope, jnp.asarray(ckv).astype(jnp.bfloat16),
+                                jnp.asarray(k_rope).astype(jnp.bfloat16),
+                                jnp.asarray(SEQ_LENS, jnp.int32), softmax_scale=576 ** -0.5)
+  assert rel_l2(out, ref) < 1e-2  # the bf16 cache's rounding
