@@ -24,7 +24,7 @@ from flax import nnx
 
 from models.config import DeepseekV3Config
 from models.deepseek_v3 import init_random
-from models.generation import DecodeState, _decode_step
+from models.generation import DecodeState, decode_step
 from snapmla_jax import quant
 from snapmla_jax.cache import PagedLatentCache
 
@@ -65,7 +65,7 @@ def decode_step_time(model, kind, batch, context, steps, key):
   times = []
   for i in range(steps + 1):
     t0 = time.perf_counter()
-    state, logits = _decode_step(graphdef, params, state, slot_table, block_table, stop, None,
+    state, logits = decode_step(graphdef, params, state, slot_table, block_table, stop, None,
                                  None, temperature=0.0, top_p=1.0)
     jax.block_until_ready(logits)
     if i:  # the first step compiles

@@ -72,9 +72,23 @@ def _prefill_chunk(graphdef, params, caches, input_ids, slots, lengths, prefix, 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p"),
                    donate_argnames=("state",))
-def _decode_step(graphdef, params, state: DecodeState, slot_table, block_table, stop_tokens, key,
+def decode_step(graphdef, params, state: DecodeState, slot_table, block_table, stop_tokens, key,
                  forced, *, temperature, top_p):
-  """One token per sequence: append + absorbed decode, then sample (or take ``forced``)."""
+  """One token per sequence: append + absorbed decode, then sample (or take ``forced``).
+
+  The jitted step ``generate`` runs (public for benchmarks, ``bench/e2e.py``).
+
+  Args:
+    graphdef, params: ``nnx.split(model)``.
+    state: the ``DecodeState`` (donated).
+    slot_table: ``int32 [B, width]`` cache slot of each position of each sequence.
+    block_table: ``int32 [B, max_pages]``.
+    stop_tokens: ``int32 [n]``; key: PRNG key or None (greedy);
+    forced: ``int32 [B, max_new]`` tokens to feed instead of the sampled ones, or None.
+
+  Returns:
+    ``(the next DecodeState, logits f32 [B, vocab])``.
+  """
   model = nnx.merge(graphdef, params)
   rows = jnp.arange(state.tokens.shape[0])
   slots = slot_table[rows, state.positions]
@@ -187,7 +201,7 @@ def generate_with_logits(model: DeepseekV3, prompts: Sequence[Sequence[int]], ma
   for step in range(1, max_new_tokens):
     if forced is None and step % 8 == 1 and bool(state.done.all()):
       break
-    state, logits = _decode_step(graphdef, params, state, slot_table, block_table, stop, key,
+    state, logits = decode_step(graphdef, params, state, slot_table, block_table, stop, key,
                                  forced_dev, temperature=temperature, top_p=top_p)
     steps += 1
     if return_logits:
