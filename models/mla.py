@@ -27,23 +27,9 @@ from flax import nnx
 from models.config import DeepseekV3Config
 from models.layers import Dense, RMSNorm, apply_rope, softmax_scale
 from snapmla_jax.cache import PagedLatentCache
+from snapmla_jax.decode import mla_decode
 
 _F32 = jnp.float32
-
-
-def _mla_decode(q_nope, q_rope, cache, block_table, seq_lens, *, scale):
-  """``snapmla_jax.mla_decode``; until the library exports it, its stated contract on
-  the dequantized cache in fp32 (no query quantization)."""
-  try:
-    from snapmla_jax import mla_decode
-  except ImportError:
-    mla_decode = None
-  if mla_decode is not None:
-    return mla_decode(q_nope, q_rope, cache, block_table, seq_lens, softmax_scale=scale)
-  from snapmla_jax.reference import mla_decode_reference
-  ckv, k_rope = cache.fetch_dequant(block_table, seq_lens, dtype=_F32)
-  out, lse = mla_decode_reference(q_nope, q_rope, ckv, k_rope, seq_lens, softmax_scale=scale)
-  return out.astype(q_nope.dtype), lse
 
 
 def naive_attention(q_nope, q_rope, k_nope, k_rope, v, mask, *, scale):
@@ -199,5 +185,6 @@ class MLA(nnx.Module):
     cache = cache.append(ckv.reshape(-1, ckv.shape[-1]), k_rope.reshape(-1, k_rope.shape[-1]),
                          slots.reshape(-1).astype(jnp.int32))
     q_latent = self.absorb_query(q_nope)                           # [B, s_q, H, C]
-    out_latent, _ = _mla_decode(q_latent, q_rope, cache, block_table, seq_lens, scale=self.scale)
+    out_latent, _ = mla_decode(q_latent, q_rope, cache, block_table, seq_lens,
+                               softmax_scale=self.scale)
     return self.absorbed_output(out_latent), cache
