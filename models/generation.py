@@ -1,7 +1,8 @@
 """Batched generation over the paged latent cache: chunked prefill, then a jitted decode step.
 
-Pages come from ``snapmla_jax.cache.PageAllocator``: each prompt reserves its prompt
-plus ``max_new_tokens`` slots up front, so a decode step finds its slots on device
+Pages come from ``snapmla_jax.sharding.ShardedPageAllocator`` (one pool per dp shard of
+the mesh, one pool without a mesh): each prompt reserves its prompt plus
+``max_new_tokens`` slots up front, so a decode step finds its slots on device
 (``slot_table[b, position]``) and the host only dispatches steps. The per-layer
 caches travel in a ``DecodeState`` pytree that each step donates.
 
@@ -12,6 +13,7 @@ multiple of it); a later chunk attends to the cached prefix through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -25,7 +27,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from models.deepseek_v3 import Caches, DeepseekV3
-from snapmla_jax.cache import CacheKind, PageAllocator
+from snapmla_jax import sharding
+from snapmla_jax.cache import CacheKind
 
 
 @flax.struct.dataclass
@@ -115,8 +118,8 @@ def generate_with_logits(model: DeepseekV3, prompts: Sequence[Sequence[int]], ma
                          top_p: float = 1.0, key: jax.Array | None = None,
                          stop_tokens: Sequence[int] | None = None, page_size: int = 64,
                          prefill_chunk: int | None = None, forced: np.ndarray | None = None,
-                         return_logits: bool = False, progress: bool | None = None
-                         ) -> GenerateResult:
+                         return_logits: bool = False, progress: bool | None = None,
+                         mesh: jax.sharding.Mesh | None = None) -> GenerateResult:
   """``generate`` with its logits and timings.
 
   Extra args:
@@ -127,6 +130,9 @@ def generate_with_logits(model: DeepseekV3, prompts: Sequence[Sequence[int]], ma
       the sampled ones (logits are still those of the model), e.g. to compare caches.
     return_logits: keep the f32 logits of every step.
     progress: a tqdm bar; None: only for runs of 64+ tokens.
+    mesh: a ``(dp, tp)`` mesh (``snapmla_jax.sharding.make_mesh``) to decode on, the model
+      placed with ``models.sharding.shard_model``; the batch must divide by dp. Each dp
+      shard gets its own page pool. None: one device.
   """
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")
@@ -146,15 +152,37 @@ def generate_with_logits(model: DeepseekV3, prompts: Sequence[Sequence[int]], ma
   # Pages: each sequence holds its prompt and all but the last new token.
   need = lens + max_new_tokens - 1
   pages_per_seq = -(-need // page_size)
-  allocator = PageAllocator(int(pages_per_seq.sum()), page_size, int(pages_per_seq.max()))
+  dp = 1 if mesh is None else mesh.shape[sharding.DP]
+  if batch % dp:
+    raise ValueError(f"the batch of {batch} prompts must divide by the mesh's dp={dp}")
+  pool = dp * int(max(pages_per_seq.reshape(dp, -1).sum(axis=1)))
+  allocator = sharding.ShardedPageAllocator(pool, page_size, int(pages_per_seq.max()), batch, dp)
   width = padded_len + max_new_tokens
   slot_table = np.full((batch, width), -1, np.int32)
   for i, n in enumerate(need):
     slot_table[i, :n] = allocator.allocate(i, int(n))
-  block_table = jnp.asarray(allocator.block_table(range(batch)))
+  block_table = jnp.asarray(allocator.block_table())            # the decode's: shard-local
+  global_block_table = jnp.asarray(allocator.global_block_table())  # prefix reads (XLA)
   slot_table = jnp.asarray(slot_table)
-  caches = model.init_cache(allocator.num_pages, page_size=page_size, kind=kv_cache)
+  caches = model.init_cache(pool, page_size=page_size, kind=kv_cache)
+  if mesh is not None:
+    caches = tuple(sharding.shard_cache(c, mesh) for c in caches)
   graphdef, params = nnx.split(model)
+  with contextlib.ExitStack() as stack:
+    if mesh is not None:
+      stack.enter_context(jax.set_mesh(mesh))
+    return _run(graphdef, params, caches, prompts, lens, chunk, padded_len, slot_table,
+                block_table, global_block_table, max_new_tokens, kv_cache=kv_cache,
+                temperature=temperature, top_p=top_p, key=key, stop_tokens=stop_tokens,
+                page_size=page_size, forced=forced, return_logits=return_logits,
+                progress=progress)
+
+
+def _run(graphdef, params, caches, prompts, lens, chunk, padded_len, slot_table, block_table,
+         global_block_table, max_new_tokens, *, kv_cache, temperature, top_p, key, stop_tokens,
+         page_size, forced, return_logits, progress) -> GenerateResult:
+  """Prefill then decode (``generate_with_logits`` after its page allocation)."""
+  batch = len(prompts)
 
   # ---- prefill, chunk by chunk
   t0 = time.perf_counter()
@@ -171,7 +199,7 @@ def generate_with_logits(model: DeepseekV3, prompts: Sequence[Sequence[int]], ma
     prefix = None
     if start:
       prefix_pages = -(-start // page_size)
-      prefix = (block_table[:, :prefix_pages], jnp.minimum(lens_dev, start))
+      prefix = (global_block_table[:, :prefix_pages], jnp.minimum(lens_dev, start))
     last = jnp.clip(lens_dev - 1 - start, 0, chunk - 1)
     logits, caches = _prefill_chunk(graphdef, params, caches, ids[:, start:start + chunk], slots,
                                     lengths, prefix, last)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from models.config import DeepseekV3Config
 from models.layers import Dense, RMSNorm, apply_rope, softmax_scale
+from snapmla_jax import sharding
 from snapmla_jax.cache import PagedLatentCache
 from snapmla_jax.decode import mla_decode
 
@@ -185,6 +186,11 @@ class MLA(nnx.Module):
     cache = cache.append(ckv.reshape(-1, ckv.shape[-1]), k_rope.reshape(-1, k_rope.shape[-1]),
                          slots.reshape(-1).astype(jnp.int32))
     q_latent = self.absorb_query(q_nope)                           # [B, s_q, H, C]
-    out_latent, _ = mla_decode(q_latent, q_rope, cache, block_table, seq_lens,
-                               softmax_scale=self.scale)
+    mesh = jax.sharding.get_abstract_mesh()
+    if {sharding.DP, sharding.TP} <= set(mesh.axis_names):  # per device, heads over tp
+      out_latent, _ = sharding.mla_decode_sharded(q_latent, q_rope, cache, block_table, seq_lens,
+                                                  mesh=mesh, softmax_scale=self.scale)
+    else:
+      out_latent, _ = mla_decode(q_latent, q_rope, cache, block_table, seq_lens,
+                                 softmax_scale=self.scale)
     return self.absorbed_output(out_latent), cache

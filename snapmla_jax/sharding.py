@@ -119,6 +119,11 @@ class ShardedPageAllocator:
     return np.concatenate([self.shards[self.shard_of(r)].block_table([r])
                            for r in range(self.batch)])
 
+  def global_block_table(self) -> np.ndarray:
+    """``block_table`` with page ids into the global cache arrays (for XLA gathers)."""
+    offsets = np.asarray([self.shard_of(r) * self.pages_per_shard for r in range(self.batch)])
+    return self.block_table() + offsets[:, None].astype(np.int32)
+
   def seq_lens(self) -> np.ndarray:
     """int32 ``[batch]``."""
     return np.concatenate([self.shards[self.shard_of(r)].seq_lens([r])
