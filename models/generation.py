@@ -266,7 +266,8 @@ def generate(model: DeepseekV3, prompts: Sequence[Sequence[int]], max_new_tokens
     key: PRNG key, needed when sampling; a fixed key reproduces the tokens.
     stop_tokens: a sequence ends after the first of these (kept in its output);
       None: no stop tokens (pass ``model.cfg.eos_token_id`` to stop at EOS).
-    **kwargs: ``page_size``, ``prefill_chunk``, ``progress`` (see ``generate_with_logits``).
+    **kwargs: ``page_size``, ``prefill_chunk``, ``progress``, ``mesh`` (see
+      ``generate_with_logits``).
 
   Returns:
     The new tokens of each prompt.
