@@ -9,11 +9,13 @@ attention in every layer + MLP/MoE + sampling), warm-up excluded, tokens/s = bat
 step time, and the FP8/BF16 ratio in the same run. The paper's figure 1, on one GPU.
 
   python bench/e2e.py [--batch 32] [--heads 128] [--layers 2] [--contexts 16384 65536]
+                      [--mesh dp=4,tp=2]   (tokens/s per configuration and per device)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -25,6 +27,8 @@ from flax import nnx
 from models.config import DeepseekV3Config
 from models.deepseek_v3 import init_random
 from models.generation import DecodeState, decode_step
+from models.sharding import shard_model
+from snapmla_jax import sharding
 from snapmla_jax import quant
 from snapmla_jax.cache import PagedLatentCache
 
@@ -48,29 +52,39 @@ def random_caches(num_layers, num_pages, kind, cfg, key):
   return tuple(caches)
 
 
-def decode_step_time(model, kind, batch, context, steps, key):
-  """Median seconds of one decode step at ``context`` cached tokens per sequence."""
+def decode_step_time(model, kind, batch, context, steps, key, mesh=None):
+  """Median seconds of one decode step at ``context`` cached tokens per sequence.
+
+  Sequence ``r`` owns the pages ``[r * pages_per_seq, (r + 1) * pages_per_seq)`` of the
+  global cache; under a mesh its block table holds the ids local to its dp shard.
+  """
   cfg = model.cfg
+  dp = 1 if mesh is None else mesh.shape[sharding.DP]
   pages_per_seq = -(-(context + steps + 1) // 64)
   num_pages = batch * pages_per_seq
-  block_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
-  slot_table = (block_table[:, :, None] * 64 + jnp.arange(64)).reshape(batch, -1)
+  global_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
+  block_table = global_table % (num_pages // dp)
+  slot_table = (global_table[:, :, None] * 64 + jnp.arange(64)).reshape(batch, -1)
+  caches = random_caches(len(model.layers), num_pages, kind, cfg, key)
+  if mesh is not None:
+    caches = tuple(sharding.shard_cache(c, mesh) for c in caches)
   state = DecodeState(
-      caches=random_caches(len(model.layers), num_pages, kind, cfg, key),
+      caches=caches,
       tokens=jnp.ones((batch,), jnp.int32), positions=jnp.full((batch,), context, jnp.int32),
       done=jnp.zeros((batch,), bool), out=jnp.zeros((batch, steps + 2), jnp.int32),
       step=jnp.asarray(0, jnp.int32))
   graphdef, params = nnx.split(model)
   stop = jnp.asarray([-1], jnp.int32)
+  bytes_per_token = caches[0].bytes_per_token
   times = []
-  for i in range(steps + 1):
-    t0 = time.perf_counter()
-    state, logits = decode_step(graphdef, params, state, slot_table, block_table, stop, None,
-                                 None, temperature=0.0, top_p=1.0)
-    jax.block_until_ready(logits)
-    if i:  # the first step compiles
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    for _ in range(steps + 1):
+      t0 = time.perf_counter()
+      state, logits = decode_step(graphdef, params, state, slot_table, block_table, stop, None,
+                                  None, temperature=0.0, top_p=1.0)
+      jax.block_until_ready(logits)
       times.append(time.perf_counter() - t0)
-  return statistics.median(times), state.caches[0].bytes_per_token
+  return statistics.median(times[1:]), bytes_per_token  # the first step compiles
 
 
 def main():
@@ -81,23 +95,31 @@ def main():
   parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--md", default=None, help="also write the table here")
+  parser.add_argument("--mesh", default=None, help="dp=D,tp=T: decode on D * T devices")
   args = parser.parse_args()
   cfg = DeepseekV3Config.demo(num_attention_heads=args.heads, num_hidden_layers=args.layers)
   model = init_random(cfg, dtype=jnp.bfloat16)
+  mesh, devices = None, 1
+  if args.mesh:
+    axes = dict(item.split("=") for item in args.mesh.split(","))
+    mesh = sharding.make_mesh(int(axes["dp"]), int(axes["tp"]))
+    devices = mesh.size
+    model = shard_model(model, mesh)
   key = jax.random.key(0)
-  lines = ["| context | cache | bytes/token/layer | step (ms) | tokens/s | FP8 / BF16 |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| context | cache | bytes/token/layer | step (ms) | tokens/s | tokens/s/device "
+           "| FP8 / BF16 |", "|---|---|---|---|---|---|---|"]
   for context in args.contexts:
     rates = {}
     for kind in ("bf16", "fp8"):
-      seconds, nbytes = decode_step_time(model, kind, args.batch, context, args.steps, key)
+      seconds, nbytes = decode_step_time(model, kind, args.batch, context, args.steps, key,
+                                         mesh)
       rates[kind] = args.batch / seconds
       ratio = f"{rates['fp8'] / rates['bf16']:.2f}" if kind == "fp8" else ""
       lines.append(f"| {context} | {kind} | {nbytes} | {seconds * 1e3:.3f} | "
-                   f"{rates[kind]:.0f} | {ratio} |")
+                   f"{rates[kind]:.0f} | {rates[kind] / devices:.0f} | {ratio} |")
       print(lines[-1], flush=True)
   header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}: batch {args.batch}, "
-            f"{args.heads} heads, {args.layers} layers")
+            f"{args.heads} heads, {args.layers} layers, mesh {args.mesh or 'dp=1,tp=1'}")
   print(header)
   print("\n".join(lines))
   if args.md:
