@@ -167,18 +167,24 @@ def init_random(cfg: DeepseekV3Config, *, dtype=jnp.float32, seed: int = 0) -> D
   return model
 
 
-def load_pretrained(path: str | pathlib.Path, *, dtype=jnp.float32) -> DeepseekV3:
+def load_pretrained(path: str | pathlib.Path, *, dtype=jnp.float32,
+                    mesh: jax.sharding.Mesh | None = None) -> DeepseekV3:
   """Loads a Hugging Face DeepSeek-V3 checkpoint directory.
 
   ``config.json`` (``rope_scaling`` or ``rope_parameters``) plus safetensors, sharded
   through ``model.safetensors.index.json`` or not; FP8 block-quantized weights
   (``weight_scale_inv``, 128x128 blocks) are dequantized at load. The router stays f32.
 
+  With a ``(dp, tp)`` ``mesh``, each tensor goes straight from the files to its devices
+  with ``models.sharding``'s placement (as ``shard_model`` would place it).
+
   Raises:
     models.hf_loader.CheckpointError: naming every missing, unexpected or
       mismatched tensor.
   """
-  from models import hf_loader
+  from models import hf_loader, sharding
   path = pathlib.Path(path)
   cfg = DeepseekV3Config.from_json(path / "config.json")
-  return hf_loader.load_into(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(0)), path, cfg)
+  place = None if mesh is None else sharding.placement(mesh)
+  return hf_loader.load_into(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(0)), path, cfg,
+                             place)

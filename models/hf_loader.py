@@ -207,8 +207,13 @@ def _read(ckpt: SafetensorsCheckpoint, name: str) -> np.ndarray:
 
 
 def load_into(factory: Callable[[], nnx.Module], path: str | pathlib.Path,
-              cfg: DeepseekV3Config) -> nnx.Module:
+              cfg: DeepseekV3Config,
+              place: Callable[[tuple, np.ndarray], jax.Array] | None = None) -> nnx.Module:
   """Builds ``factory()`` abstractly and fills every state leaf from the checkpoint at ``path``.
+
+  ``place(leaf_path, host_array)`` puts each leaf on its devices (default: the default
+  device), one tensor at a time from the memory-mapped files: with a sharding, no device
+  ever holds more than its shard.
 
   Raises:
     CheckpointError: listing the missing, unexpected and mismatched tensors.
@@ -240,8 +245,7 @@ def load_into(factory: Callable[[], nnx.Module], path: str | pathlib.Path,
 
   filled = []
   for leaf_path, var, names, combine in plans:
-    value = np.asarray(combine([_read(ckpt, n) for n in names]))
-    if value.dtype != np.float32:
-      value = value.astype(np.float32)
-    filled.append((leaf_path, var.replace(jnp.asarray(value, dtype=var.dtype))))
+    value = np.asarray(combine([_read(ckpt, n) for n in names])).astype(var.dtype)
+    filled.append((leaf_path, var.replace(
+        jnp.asarray(value) if place is None else place(leaf_path, value))))
   return nnx.merge(graphdef, nnx.from_flat_state(filled))

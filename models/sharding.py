@@ -40,9 +40,15 @@ def param_spec(path: tuple) -> P:
   return P()
 
 
+def placement(mesh: Mesh):
+  """``place(path, array)``: puts the parameter at ``path`` on ``mesh`` by ``param_spec``."""
+  return lambda path, array: jax.device_put(array, NamedSharding(mesh, param_spec(path)))
+
+
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
   """Places ``model``'s parameters on ``mesh`` (in place) and returns it."""
-  placed = [(path, var.replace(jax.device_put(var[...], NamedSharding(mesh, param_spec(path)))))
+  place = placement(mesh)
+  placed = [(path, var.replace(place(path, var[...])))
             for path, var in nnx.to_flat_state(nnx.state(model))]
   nnx.update(model, nnx.from_flat_state(placed))
   return model
