@@ -156,3 +156,19 @@ def test_load_pretrained_onto_a_mesh():
   assert {s.data.shape[1] for s in kernel.addressable_shards} == {1}
   ids = jnp.asarray(np.load(fixture / "reference.npz")["input_ids"], jnp.int32)
   assert rel_l2(sharded(ids), load_pretrained(fixture)(ids)) < 1e-5
+
+
+def test_sharded_allocator_checks():
+  from snapmla_jax import PagePoolExhausted
+  from snapmla_jax.sharding import ShardedPageAllocator
+  with pytest.raises(ValueError, match="must divide by dp"):
+    ShardedPageAllocator(10, 64, 4, batch=6, dp=4)
+  alloc = ShardedPageAllocator(8, 64, 4, batch=4, dp=2)   # 4 pages per shard
+  np.testing.assert_array_equal(alloc.allocate(2, 65)[[0, 64]], [4 * 64, 5 * 64])  # shard 1
+  with pytest.raises(PagePoolExhausted):
+    alloc.allocate(3, 3 * 64)                              # shard 1 has 2 pages left
+  alloc.allocate(0, 4 * 64)                                # shard 0 is untouched by that
+  np.testing.assert_array_equal(alloc.block_table()[[0, 2], :2], [[0, 1], [0, 1]])
+  np.testing.assert_array_equal(alloc.global_block_table()[2, :2], [4, 5])
+  with pytest.raises(ValueError, match="outside the batch"):
+    alloc.allocate(4, 1)
