@@ -59,6 +59,26 @@ def make_case(seed: int, seq_lens, *, s_q: int = 1, heads: int = 16,
               jnp.asarray(ckv), jnp.asarray(k_rope), jnp.asarray(q_nope), jnp.asarray(q_rope))
 
 
+def _random_lens(seed: int, batch: int, low: int, high: int) -> list[int]:
+  return np.random.default_rng(seed).integers(low, high + 1, batch).tolist()
+
+
+GPU_GRID = [
+    # (batch, s_q, heads, seq_lens): the kernels' H200 test grid
+    (1, 1, 16, [1]),
+    (2, 2, 16, [1, 65]),
+    (4, 1, 32, [64, 127, 128, 1000]),
+    (3, 2, 64, [5000, 63, 2]),
+    (8, 1, 128, _random_lens(0, 8, 1, 4096)),
+    (8, 2, 128, _random_lens(1, 8, 1, 4096)),
+    (2, 1, 128, [1, 100_000]),
+    (2, 2, 16, [100_000, 1]),
+    (1, 1, 64, [131072]),
+    (128, 1, 16, _random_lens(2, 128, 1, 2048)),
+    (64, 2, 32, _random_lens(3, 64, 1, 1024)),
+]
+
+
 def rel_l2(x, ref) -> float:
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))

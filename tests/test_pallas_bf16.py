@@ -19,7 +19,7 @@ import pytest
 from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import _decode, mla_decode_bf16
-from snapmla_jax.testing import lse_error, make_case, rel_l2
+from snapmla_jax.testing import GPU_GRID, lse_error, make_case, rel_l2
 from snapmla_jax.reference import mla_decode_reference
 
 SCALE = 576 ** -0.5
@@ -127,26 +127,6 @@ def test_needs_hopper_unless_interpreting():
 
 # ---------------------------------------------------------------------------------------
 # Tier 3: the H200.
-
-def _lens(seed, batch, low, high):
-  return np.random.default_rng(seed).integers(low, high + 1, batch)
-
-
-GPU_GRID = [
-    # (batch, s_q, heads, seq_lens)
-    (1, 1, 16, [1]),
-    (2, 2, 16, [1, 65]),
-    (4, 1, 32, [64, 127, 128, 1000]),
-    (3, 2, 64, [5000, 63, 2]),
-    (8, 1, 128, list(_lens(0, 8, 1, 4096))),
-    (8, 2, 128, list(_lens(1, 8, 1, 4096))),
-    (2, 1, 128, [1, 100_000]),
-    (2, 2, 16, [100_000, 1]),
-    (1, 1, 64, [131072]),
-    (128, 1, 16, list(_lens(2, 128, 1, 2048))),
-    (64, 2, 32, list(_lens(3, 64, 1, 1024))),
-]
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)

@@ -161,6 +161,26 @@ def unpack_outputs(out_parts, lse_parts, s_q: int, heads: int, out_dim_order=Non
   return out, lse
 
 
+def fetch_pages(num_steps, num_stages: int, kv_free, issue_copies) -> None:
+  """The memory warpgroup: one page per step into a ``num_stages``-deep SMEM ring.
+
+  ``issue_copies(step, slot)`` starts the TMAs of page ``step`` into ring slot ``slot``;
+  from the second lap on, a slot is refilled once both compute warpgroups have arrived
+  on ``kv_free[slot]``.
+  """
+  plgpu.set_max_registers(40, action="decrease")
+
+  @pl.loop(0, num_steps)
+  def _fetch(step):
+    slot = lax.rem(step, num_stages)
+
+    @pl.when(step >= num_stages)
+    def _():
+      plgpu.barrier_wait(kv_free.at[slot])
+
+    issue_copies(step, slot)
+
+
 def tile_transforms(dtype, swizzle: int = 128):
   """``(Tiling(8, swizzle / itemsize), Swizzle(swizzle))``: the wgmma/TMA SMEM layout."""
   bits = jnp.dtype(dtype).itemsize * 8

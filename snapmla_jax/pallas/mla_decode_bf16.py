@@ -45,18 +45,10 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
 
   @pl.when(wg == common.MEMORY_WG)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
-
-    @pl.loop(0, num_steps)
-    def _fetch(step):
-      slot = lax.rem(step, num_stages)
-
-      @pl.when(step >= num_stages)
-      def _():
-        plgpu.barrier_wait(kv_free.at[slot])
-
+    def issue_copies(step, slot):
       page = bt_ref[b, first_page + step]
       plgpu.copy_gmem_to_smem(latent_ref.at[page], kv_smem.at[slot], kv_ready.at[slot])
+    common.fetch_pages(num_steps, num_stages, kv_free, issue_copies)
 
   def zero_tail(slot, first_token):
     """Zeroes the content of tokens ``>= seq_len`` of a partial page (NaN-safe P V)."""

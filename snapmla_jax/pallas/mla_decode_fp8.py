@@ -84,20 +84,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
   @pl.when(wg == common.MEMORY_WG)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
-
-    @pl.loop(0, num_steps)
-    def _fetch(step):
-      slot = lax.rem(step, num_stages)
-
-      @pl.when(step >= num_stages)
-      def _():
-        plgpu.barrier_wait(kv_free.at[slot])
-
+    def issue_copies(step, slot):
       page = bt_ref[b, first_page + step]
       for i, (src, dst) in enumerate(((content_ref, kc_smem), (scale_ref, ks_smem),
                                       (rope_ref, kr_smem))):
         plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + i])
+    common.fetch_pages(num_steps, num_stages, kv_free, issue_copies)
 
   def dequantize_v(slot, half, first_token, masked: bool):
     """``v_smem[half] = f16(content[slot, :, half])``; ``masked``: tokens >= seq_len zeroed."""
