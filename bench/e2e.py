@@ -21,7 +21,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.config import DeepseekV3Config
@@ -29,27 +28,15 @@ from models.deepseek_v3 import init_random
 from models.generation import DecodeState, decode_step
 from models.sharding import shard_model
 from snapmla_jax import sharding
-from snapmla_jax import quant
-from snapmla_jax.cache import PagedLatentCache
+from snapmla_jax.testing import random_pages
 
 
 def random_caches(num_layers, num_pages, kind, cfg, key):
-  """Per-layer caches whose every page holds random (normed-latent-like) tokens."""
-  caches = []
-  for layer in range(num_layers):
-    k1, k2 = jax.random.split(jax.random.fold_in(key, layer))
-    ckv = jax.random.normal(k1, (num_pages, 64, cfg.kv_lora_rank), jnp.bfloat16)
-    rope = 4 * jax.random.normal(k2, (num_pages, 64, cfg.qk_rope_head_dim), jnp.bfloat16)
-    if kind == "fp8":
-      content, scale, rope_scaled = jax.jit(quant.quantize_latent)(ckv, rope)
-      caches.append(PagedLatentCache(content, scale, rope_scaled, None, kind="fp8",
-                                     kv_lora_rank=cfg.kv_lora_rank,
-                                     rope_dim=cfg.qk_rope_head_dim))
-    else:
-      caches.append(PagedLatentCache(None, None, None, jnp.concatenate([ckv, rope], -1),
-                                     kind="bf16", kv_lora_rank=cfg.kv_lora_rank,
-                                     rope_dim=cfg.qk_rope_head_dim))
-  return tuple(caches)
+  """Per-layer caches whose every page holds random tokens (RoPE 4x the content)."""
+  return tuple(random_pages(jax.random.fold_in(key, layer), num_pages, (kind,),
+                            kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim,
+                            rope_amp=4.0)[kind]
+               for layer in range(num_layers))
 
 
 def decode_step_time(model, kind, batch, context, steps, key, mesh=None):

@@ -19,12 +19,11 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from snapmla_jax import mla_decode
-from snapmla_jax.cache import PagedLatentCache
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import mla_decode_bf16
+from snapmla_jax.testing import random_pages
 
 BF16_PEAK = 989e12     # dense bf16 tensor-core peak (datasheet), TFLOP/s
 FP8_PEAK = 1868e12     # the SnapMLA effective peak for FP8 (989 * 17 / 9)
@@ -43,23 +42,14 @@ QUICK = [(32, 128, 1, 16384), (128, 16, 1, 16384), (32, 128, 2, 16384)]
 
 def make_inputs(batch, heads, s_q, context, kinds):
   key = jax.random.key(batch * 1000 + heads + s_q)
-  k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+  k1, k2, k3, k4 = jax.random.split(key, 4)
   pages = context // 64
   num_pages = batch * pages
   block_table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(batch, pages)
   seq_lens = jnp.full((batch,), context, jnp.int32)
   q_nope = jax.random.normal(k2, (batch, s_q, heads, 512), jnp.bfloat16)
   q_rope = jax.random.normal(k3, (batch, s_q, heads, 64), jnp.bfloat16)
-  caches = {}
-  ckv = jax.random.normal(k4, (num_pages, 64, 512), jnp.bfloat16)
-  rope = jax.random.normal(k5, (num_pages, 64, 64), jnp.bfloat16)
-  if "bf16" in kinds:
-    caches["bf16"] = PagedLatentCache(None, None, None, jnp.concatenate([ckv, rope], -1), kind="bf16")
-  if "fp8" in kinds:
-    from snapmla_jax import quant
-    content, scale, rope_s = jax.jit(quant.quantize_latent)(ckv, rope)
-    caches["fp8"] = PagedLatentCache(content, scale, rope_s, None, kind="fp8")
-  del ckv, rope
+  caches = random_pages(k4, num_pages, kinds)
   return q_nope, q_rope, caches, block_table, seq_lens
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from snapmla_jax.cache import PageAllocator, PagedLatentCache
+from snapmla_jax.quant import quantize_latent
 
 
 @dataclasses.dataclass
@@ -57,6 +58,24 @@ def make_case(seed: int, seq_lens, *, s_q: int = 1, heads: int = 16,
   q_rope = rng.standard_normal((batch, s_q, heads, 64), np.float32)
   return Case(caches, jnp.asarray(alloc.block_table(ids)), jnp.asarray(alloc.seq_lens(ids)),
               jnp.asarray(ckv), jnp.asarray(k_rope), jnp.asarray(q_nope), jnp.asarray(q_rope))
+
+
+def random_pages(key: jax.Array, num_pages: int, kinds, *, kv_lora_rank: int = 512,
+                 rope_dim: int = 64, rope_amp: float = 1.0) -> dict[str, PagedLatentCache]:
+  """Caches of ``num_pages`` full 64-token pages of random latents, one per kind in ``kinds``
+  (the same latents; written straight into the pages, for benchmarks)."""
+  k_content, k_rope = jax.random.split(key)
+  ckv = jax.random.normal(k_content, (num_pages, 64, kv_lora_rank), jnp.bfloat16)
+  rope = rope_amp * jax.random.normal(k_rope, (num_pages, 64, rope_dim), jnp.bfloat16)
+  dims = dict(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+  caches = {}
+  if "bf16" in kinds:
+    caches["bf16"] = PagedLatentCache(None, None, None, jnp.concatenate([ckv, rope], -1),
+                                      kind="bf16", **dims)
+  if "fp8" in kinds:
+    content, scale, rope_scaled = jax.jit(quantize_latent)(ckv, rope)
+    caches["fp8"] = PagedLatentCache(content, scale, rope_scaled, None, kind="fp8", **dims)
+  return caches
 
 
 def _random_lens(seed: int, batch: int, low: int, high: int) -> list[int]:
