@@ -20,6 +20,7 @@ import re
 import struct
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import _decode, mla_decode_bf16
 from snapmla_jax.testing import GPU_GRID, lse_error, make_case, rel_l2

@@ -1,7 +1,6 @@
 """RoPE-aware per-token FP8 quantization and the alternative granularities."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """The fp32 reference, the FP8 emulation oracle and the split-KV combine."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
