@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call: GPU-marked kernel tests, kernel benchmark, in-kernel profile, e2e decode.
 #   bash bench/device_check.sh tests [pytest args, e.g. tests/test_pallas_fp8.py -k "fp8]"]
-#   bash bench/device_check.sh bench|e2e [script args]     bash bench/device_check.sh profile
+#   bash bench/device_check.sh bench|e2e|ablate|sass [script args]     ... profile
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
 set -uo pipefail
@@ -21,6 +21,9 @@ case $what in
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
   bench) python3 bench/kernel.py --md "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45 ;;
+  sass) python3 bench/sass.py --out "$OUT/sass" "$@" 2>&1 | tee "$OUT/sass.log" | tail -50
+        tar czf "$OUT/sass.tar.gz" -C "$OUT" sass && rm -rf "$OUT/sass" ;;  # one file comes back
+  ablate) python3 bench/ablate.py "$@" 2>&1 | tee "$OUT/ablate.log" | tail -40 ;;
   profile) python3 bench/profile_kernel.py --out "$OUT/profile" "$@" 2>&1 \
              | tee "$OUT/profile.log" | tail -40 ;;
   e2e) python3 bench/e2e.py --md "$OUT/e2e.md" "$@" 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;

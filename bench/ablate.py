@@ -1,0 +1,110 @@
+"""Differential timing of the FP8 decode kernel: where does a page-step's time go?
+
+Builds variants of ``snapmla_jax.pallas.mla_decode_fp8`` that each leave one stage out
+(by substituting its source lines; results are wrong, times are what matter) and times
+them against the unchanged kernel in one process, at the benchmark's shapes. The time a
+stage costs on the critical path is ``base - variant`` (METHOD.md: time variants that
+leave one stage out and take differences). A substitution that no longer matches the
+source fails loudly.
+
+  python bench/ablate.py [--shapes 32,128,1,16384 128,16,1,16384] [--only NAME,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+
+from snapmla_jax import quant
+from snapmla_jax.pallas import mla_decode_fp8
+
+ABLATIONS = {  # name: [(old source, new source), ...]
+    "base": [],
+    "no_vt_bitops": [
+        ("even = (lo_rows & _U16(0xFF)) | (hi_rows << 8)", "even = lo_rows"),
+        ("odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))", "odd = hi_rows"),
+    ],
+    "no_vt_build": [
+        ('    build = dequantize_v if pv_impl == "f16" else transpose_v\n',
+         '    build = dequantize_v if pv_impl == "f16" else (lambda *a: None)\n'),
+    ],
+    "no_exp": [
+        ("p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))",
+         "p = s - common.row_broadcast(m_use, s.shape)"),
+    ],
+    "no_p_quant": [
+        ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",
+         "p_q = p_fused.astype(_FP8)"),
+    ],
+    "no_store_p": [
+        ("p16_smem[...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)", "pass"),
+    ],
+    "no_pv_wg0": [
+        ("acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)",
+         "acc = acc * common.row_broadcast(factor, acc.shape)"),
+    ],
+    "no_pv_both": [
+        ("acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)",
+         "acc = acc * common.row_broadcast(factor, acc.shape)"),
+        ("acc = pv(acc * common.row_broadcast(factor, acc.shape), 1)",
+         "acc = acc * common.row_broadcast(factor, acc.shape)"),
+    ],
+    "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
+}
+
+
+def variant(name: str):
+  """The kernel module with ablation ``name`` applied, as a fresh module."""
+  source = inspect.getsource(mla_decode_fp8)
+  for old, new in ABLATIONS[name]:
+    if source.count(old) != 1:
+      raise ValueError(f"ablation {name}: {old!r} occurs {source.count(old)} times")
+    source = source.replace(old, new)
+  spec = importlib.util.spec_from_loader(f"ablated_{name}", loader=None)
+  module = importlib.util.module_from_spec(spec)
+  exec(compile(source, f"<{name}>", "exec"), module.__dict__)
+  return module
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--shapes", nargs="*", default=["32,128,1,16384", "128,16,1,16384"],
+                      help="batch,heads,s_q,context")
+  parser.add_argument("--only", default="", help="comma-separated ablations (base always)")
+  parser.add_argument("--pv", default="fp8")
+  args = parser.parse_args()
+  from bench.kernel import SCALE, make_inputs, measure
+
+  names = ["base"] + [n for n in (args.only.split(",") if args.only else ABLATIONS) if n and n != "base"]
+  lines = ["| shape | variant | time (us) | us per page-step | saved vs base (us) |",
+           "|---|---|---|---|---|"]
+  for shape in args.shapes:
+    batch, heads, s_q, context = map(int, shape.split(","))
+    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, {"fp8"})
+    c = caches["fp8"]
+    qc, qs, qr = quant.quantize_query(q, r)
+    row_tiles = -(-s_q * heads // 64)
+    splits = mla_decode_fp8.common.default_num_splits(batch, row_tiles, context // 64)
+    waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
+    steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
+    base = None
+    for name in names:
+      module = variant(name)
+      f = lambda qc, qs, qr, c, bt, sl, m=module: m.mla_decode_fp8(
+          qc, qs, qr, c.content, c.scale, c.rope, bt, sl, softmax_scale=SCALE, pv=args.pv)
+      try:
+        t = measure(f, qc, qs, qr, c, bt, sl) * 1e6
+      except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+        continue
+      base = t if name == "base" else base
+      saved = "" if base is None or name == "base" else f"{base - t:.1f}"
+      lines.append(f"| b{batch} h{heads} s_q{s_q} {context // 1024}k | {name} | {t:.1f} | "
+                   f"{t / steps:.3f} | {saved} |")
+      print(lines[-1], flush=True)
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()

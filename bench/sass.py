@@ -1,0 +1,112 @@
+"""What the compiler made of the decode kernels: ptxas's resource report and a SASS histogram.
+
+Compiles each kernel once (one small shape) with Mosaic GPU's dump switches on, keeps the
+dumps under ``--out`` and prints, per kernel, the registers / spills / stack that ptxas
+reports and the count of the SASS opcodes that matter for this kernel (tensor-core ops,
+shared-memory traffic, local memory = spills, conversions, special functions, shuffles,
+barriers). Needs ``nvdisasm`` (found on PATH or under /usr/local/cuda*/bin).
+
+  python bench/sass.py --out DIR [--batch 8 --heads 128 --context 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import glob
+import os
+import re
+import shutil
+import sys
+
+import jax
+
+WATCH = ("HGMMA", "QGMMA", "WARPGROUP", "LDSM", "STSM", "LDS", "STS", "LDL", "STL", "LDG",
+         "STG", "UTMALDG", "SYNCS", "BAR", "SHFL", "MUFU", "F2FP", "F2F", "I2F", "F2I", "PRMT",
+         "LOP3", "FMUL", "FFMA", "FADD", "FMNMX", "FSETP", "ISETP", "IMAD", "BRA")
+
+
+def find_nvdisasm():
+  found = shutil.which("nvdisasm") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))),
+                                           None)
+  if found:
+    os.environ["PATH"] = os.path.dirname(found) + os.pathsep + os.environ["PATH"]
+  return found
+
+
+@contextlib.contextmanager
+def capture_fds(path: str):
+  """Sends file descriptors 1 and 2 (what C++ code prints too) to ``path`` meanwhile."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  with open(path, "w") as sink:
+    os.dup2(sink.fileno(), 1)
+    os.dup2(sink.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      for fd in saved:
+        os.close(fd)
+
+
+def opcode_histogram(sass: str) -> collections.Counter:
+  counts = collections.Counter()
+  for line in sass.splitlines():
+    m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?", line)
+    if m:
+      counts[m.group(1)] += 1
+  return counts
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--heads", type=int, default=128)
+  parser.add_argument("--context", type=int, default=2048)
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+  print("nvdisasm:", find_nvdisasm())
+
+  from bench.kernel import impls, make_inputs
+  kernels = {k: v for k, v in impls().items() if k != "xla-bf16"}
+  q, r, caches, bt, sl = make_inputs(args.batch, args.heads, 1, args.context, {"bf16", "fp8"})
+  rows = []
+  for name, (kind, f) in kernels.items():
+    dump = os.path.join(args.out, name)
+    os.makedirs(dump, exist_ok=True)
+    switches = dict(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1",
+                    MOSAIC_GPU_DUMP_SASS="1")
+    os.environ.update(switches)
+    with capture_fds(os.path.join(dump, "compile.log")):  # the C++ side prints to fd 1 and 2
+      jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
+    for key in switches:
+      del os.environ[key]
+    texts = {}
+    for path in sorted(glob.glob(os.path.join(dump, "*"))):
+      with open(path, errors="replace") as fh:
+        texts[os.path.basename(path)] = fh.read()
+    print(f"\n== {name}: dumped {sorted(texts)}")
+    report = "\n".join(texts.values())
+    for line in report.splitlines():
+      if len(line) > 300:   # the binary's bytes, printed inside the MLIR module
+        continue
+      if re.search(r"ptxas info|registers|spill|stack frame", line, re.I):
+        print("  ptxas:", line.strip())
+    sass = "\n".join(texts.values())  # the histogram only matches SASS lines
+    counts = opcode_histogram(sass)
+    rows.append((name, counts))
+    print("  total SASS instructions:", sum(counts.values()))
+  print("\n| opcode | " + " | ".join(n for n, _ in rows) + " |")
+  print("|---|" + "---|" * len(rows))
+  for op in WATCH:
+    print(f"| {op} | " + " | ".join(str(c[op]) for _, c in rows) + " |")
+
+
+if __name__ == "__main__":
+  main()
