@@ -26,28 +26,24 @@ ABLATIONS = {  # name: [(old source, new source), ...]
         ("odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))", "odd = hi_rows"),
     ],
     "no_vt_build": [
-        ('    build = dequantize_v if pv_impl == "f16" else transpose_v\n',
-         '    build = dequantize_v if pv_impl == "f16" else (lambda *a: None)\n'),
+        ('    prepare = dequantize_v if pv_impl == "f16" else transpose_v\n',
+         '    prepare = dequantize_v if pv_impl == "f16" else (lambda *a: None)\n'),
     ],
     "no_exp": [
-        ("p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))",
-         "p = s - common.row_broadcast(m_use, s.shape)"),
+        ("p = jnp.exp2(s_true - common.row_broadcast(m_use, s.shape))",
+         "p = s_true - common.row_broadcast(m_use, s.shape)"),
     ],
     "no_p_quant": [
         ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",
          "p_q = p_fused.astype(_FP8)"),
     ],
     "no_store_p": [
-        ("p16_smem[...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)", "pass"),
+        ("p16_smem.at[buf][...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)",
+         "pass"),
     ],
-    "no_pv_wg0": [
-        ("acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)",
-         "acc = acc * common.row_broadcast(factor, acc.shape)"),
-    ],
-    "no_pv_both": [
-        ("acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)",
-         "acc = acc * common.row_broadcast(factor, acc.shape)"),
-        ("acc = pv(acc * common.row_broadcast(factor, acc.shape), 1)",
+    "no_pv": [
+        ("acc = common.accumulate_pv(acc * common.row_broadcast(factor, acc.shape),\n"
+         "                                   p_smem.at[buf], v, in_place=in_place)",
          "acc = acc * common.row_broadcast(factor, acc.shape)"),
     ],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],

@@ -49,15 +49,16 @@ class TuningConfig:
   """Pipeline knobs of the decode kernels (no shapes, no dtypes).
 
   Attributes:
-    num_stages: depth of the SMEM page ring (pages in flight per CTA).
+    num_stages: depth of the SMEM page ring (pages in flight per CTA); ``None`` picks the
+      kernel's default.
     num_splits: KV splits per sequence; ``None`` picks enough to fill the GPU once
       (``default_num_splits``).
   """
-  num_stages: int = 2
+  num_stages: int | None = None
   num_splits: int | None = None
 
   def __post_init__(self):
-    if self.num_stages < 2:
+    if self.num_stages is not None and self.num_stages < 2:
       raise ValueError(f"{self.num_stages=} must be at least 2")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"{self.num_splits=} must be None or at least 1")
@@ -165,8 +166,8 @@ def fetch_pages(num_steps, num_stages: int, kv_free, issue_copies) -> None:
   """The memory warpgroup: one page per step into a ``num_stages``-deep SMEM ring.
 
   ``issue_copies(step, slot)`` starts the TMAs of page ``step`` into ring slot ``slot``;
-  from the second lap on, a slot is refilled once both compute warpgroups have arrived
-  on ``kv_free[slot]``.
+  from the second lap on, a slot is refilled once every consumer has arrived on
+  ``kv_free[slot]``.
   """
   plgpu.set_max_registers(40, action="decrease")
 

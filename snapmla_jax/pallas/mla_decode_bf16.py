@@ -28,6 +28,7 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM, TuningConfig)
 
 LATENT_DIM = CONTENT_DIM + ROPE_DIM
+DEFAULT_STAGES = 2   # two 72 KB pages next to the 72 KB query fill the SMEM
 
 
 def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
@@ -160,22 +161,23 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
   q = common.pack_query_rows(jnp.concatenate([q_nope, q_rope], axis=-1), padded)
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
 
+  stages = config.num_stages or DEFAULT_STAGES
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
-      num_stages=config.num_stages, in_place=not interpret)
+      num_stages=stages, in_place=not interpret)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
       scratch_types=[
           common.smem((QUERY_TILE, LATENT_DIM), jnp.bfloat16),
-          common.smem((config.num_stages, PAGE_SIZE, LATENT_DIM), jnp.bfloat16),
+          common.smem((stages, PAGE_SIZE, LATENT_DIM), jnp.bfloat16),
           common.smem((QUERY_TILE, PAGE_SIZE), jnp.bfloat16),
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(),
-          plgpu.Barrier(num_barriers=config.num_stages),
-          plgpu.Barrier(num_arrivals=common.NUM_COMPUTE_WGS, num_barriers=config.num_stages),
+          plgpu.Barrier(num_barriers=stages),
+          plgpu.Barrier(num_arrivals=common.NUM_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(),
           plgpu.Barrier(),
       ],

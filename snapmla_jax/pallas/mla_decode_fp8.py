@@ -1,19 +1,28 @@
 """SnapMLA FP8 absorbed-MLA decode on Hopper, in Pallas Mosaic GPU.
 
-The BF16 kernel's pipeline (``mla_decode_bf16``, ``common``) on the FP8 cache:
+One CTA owns a tile of 64 query rows of one sequence and one split of its pages (the grid
+and splits of ``common``), with three warpgroups:
 
-* memory (wg 2): per 64-token page, three TMAs (a barrier each): the E4M3 content
-  ``[64, 512]``, the pre-scaled BF16 RoPE ``[64, 64]`` and the per-token scales ``[64]``.
-* compute 0 (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32
+* softmax (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32
   accumulator, restored by ``scale_q * scale_k``; online softmax (exp2 domain, the row sum
   ``l`` over the unquantized exponentials); scale-fused ``P' = P * scale_k``, quantized
-  to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into SMEM;
-  then its half of ``O``.
-* compute 1 (wg 1): prepares the page's V for ``P V`` (both halves, see ``pv=`` below)
-  while warpgroup 0 runs QK and the softmax, then the other half of ``O`` from the same
-  ``P_q``.
+  to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into one of
+  two SMEM buffers. It issues page ``i + 1``'s QK before the softmax of page ``i``, so the
+  tensor cores run the next QK under this page's softmax.
+* P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
+  V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
+  ``acc <- acc * factor + P_q V``.
 
-Eq. 12-13 of the paper: each warpgroup keeps ``O`` in units of the latest block scale,
+Pages arrive by TMA (three per page, a barrier each: the E4M3 content ``[64, 512]``, the
+per-token scales ``[64]``, the pre-scaled BF16 RoPE ``[64, 64]``) into a
+``num_stages``-deep ring. There is no memory warpgroup: a fourth warpgroup would cap
+every thread at 128 registers (ptxas allocates the whole kernel at the launch's cap and
+does not follow setmaxnreg), too few for a ``64 x 256`` f32 accumulator. Warpgroup 1
+issues the copies instead: a page's slot is released as soon as its QK, its scales and
+both V preparations are done (before any ``P V``), and warpgroup 1 refills it right after
+its own V preparation, ``num_stages`` pages ahead.
+
+Eq. 12-13 of the paper: each P·V warpgroup keeps ``O`` in units of the latest block scale,
 ``O_true = sigma_k * acc``, so a step is ``acc <- acc * (alpha * sigma_{k-1} / sigma_k)
 + P_q V_q``: the block scale rides on the online-softmax rescaling, the wgmma accumulates
 in place, and pages are visited in strictly increasing order. A page whose ``P'`` is all
@@ -21,12 +30,12 @@ zero for a row (masked) keeps the previous scale instead of the epsilon.
 
 ``P_q V`` has two implementations (``pv=``):
 
-* ``"f16"``: warpgroup 1 dequantizes the page e4m3 -> f16 (exact) into SMEM; both
-  compute warpgroups run a 16-bit wgmma with ``P_q`` in f16 (exact). The stepping stone,
-  and the baseline that the FP8 route is measured against.
+* ``"f16"``: each P·V warpgroup dequantizes its half of the page e4m3 -> f16 (exact) into
+  SMEM and runs a 16-bit wgmma with ``P_q`` in f16 (exact). The stepping stone, and the
+  baseline that the FP8 route is measured against.
 * ``"fp8"``: an E4M3 wgmma. FP8 wgmma needs V^T k-major (tokens contiguous) and the
-  cache is token-major; 8-bit SMEM transposes do not lower in 0.11.2, so warpgroup 1
-  builds each ``[256, 64]`` half of V^T from two 16-bit transposed loads of
+  cache is token-major; 8-bit SMEM transposes do not lower in 0.11.2, so each P·V
+  warpgroup builds its ``[256, 64]`` half of V^T from two 16-bit transposed loads of
   the page (token rows u and u + 32) whose bytes it interleaves (FA3's construction,
   ``../shared/notes/fp8-pv.md``). This pairs token u with u + 32: V^T column ``2u + h``
   holds token ``u + 32h``, and ``P_q`` is packed in the same order. It also
@@ -59,13 +68,19 @@ _FP8 = jnp.float8_e4m3fn
 _U16 = jnp.uint16
 _HALF_PAGE = PAGE_SIZE // 2
 
+SOFTMAX_WG = 0
+PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
+P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
+DEFAULT_STAGES = {"fp8": 3, "f16": 2}   # what fits in SMEM next to Q, V and P
+_CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
+
 
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
             lens_ref,                                            # inputs (GMEM)
             out_ref, lse_ref,                                    # outputs (GMEM)
             qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v0_smem, v1_smem, p_smem,
             factor_smem, lse_smem,                               # SMEM
-            q_bar, kv_ready, kv_free, p_ready, p_free, v_ready, v_free,  # barriers
+            q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool):
   row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
@@ -74,7 +89,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   num_steps = ranges_ref[b, split, 1] - first_page
   seq_len = lens_ref[b]
   rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)
-  v_smem = (v0_smem, v1_smem)  # each compute warpgroup's half of V (f16) or V^T (fp8)
+  v_smem = (v0_smem, v1_smem)  # each P V warpgroup's half of V (f16) or V^T (fp8)
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
     (vt0_smem, vt0_16), (vt1_smem, vt1_16) = v_smem
@@ -82,14 +97,16 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-  @pl.when(wg == common.MEMORY_WG)
-  def _memory():
-    def issue_copies(step, slot):
-      page = bt_ref[b, first_page + step]
-      for i, (src, dst) in enumerate(((content_ref, kc_smem), (scale_ref, ks_smem),
-                                      (rope_ref, kr_smem))):
-        plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + i])
-    common.fetch_pages(num_steps, num_stages, kv_free, issue_copies)
+  def kv_bar(slot, which):
+    return kv_ready.at[slot * 3 + which]
+
+  def issue_copies(step, slot):
+    """Starts the three TMAs of page ``step`` into ring slot ``slot``."""
+    page = bt_ref[b, first_page + step]
+    for which, (src, dst) in zip((_CONTENT, _SCALE, _ROPE), ((content_ref, kc_smem),
+                                                             (scale_ref, ks_smem),
+                                                             (rope_ref, kr_smem))):
+      plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_bar(slot, which))
 
   def dequantize_v(slot, half, first_token, masked: bool):
     """``v_smem[half] = f16(content[slot, :, half])``; ``masked``: tokens >= seq_len zeroed."""
@@ -119,140 +136,148 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       vt16_smem[half].at[pl.ds(chunk * 64, 64)][...] = even
       vt16_smem[half].at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
 
-  def store_p(p_q):
-    """``P_q`` (e4m3 ``[64, 64]``) into SMEM in the order of V's rows for ``P V``."""
+  def store_p(p_q, buf):
+    """``P_q`` (e4m3 ``[64, 64]``) into P buffer ``buf`` in the order of V's rows."""
     if pv_impl == "f16":
-      p_smem[...] = p_q.astype(jnp.float16)
+      p_smem.at[buf][...] = p_q.astype(jnp.float16)
     else:  # column 2u + h holds token u + 32h, as V^T
       bits = lambda x: lax.bitcast_convert_type(x, jnp.uint8).astype(_U16)
-      p16_smem[...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)
+      p16_smem.at[buf][...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)
 
-  def prepare_v(slot, first_token):
-    """Both halves of V (f16) or V^T (fp8) of the page; only a partial page is masked."""
-    build = dequantize_v if pv_impl == "f16" else transpose_v
-    for masked in (False, True):
-      @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
-      def _():
-        for half in range(common.NUM_COMPUTE_WGS):
-          build(slot, half, first_token, masked)
-    plgpu.commit_smem()
-
-  def pv(acc, half):
-    v = v_smem[half] if pv_impl == "f16" else v_smem[half].T
-    return common.accumulate_pv(acc, p_smem, v, in_place=in_place)
-
-  def finish(acc, half, factor):
-    out = acc * common.row_broadcast(factor, acc.shape)
-    out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
-
-  @pl.when(wg == 0)
-  def _softmax_wg():
-    plgpu.set_max_registers(232, action="increase")
+  def softmax_warpgroup():
     for i, (src, dst) in enumerate(((qc_ref, qc_smem), (qs_ref, qs_smem), (qr_ref, qr_smem))):
       plgpu.copy_gmem_to_smem(src.at[b, rows], dst, q_bar.at[i])
     for i in range(3):
       plgpu.barrier_wait(q_bar.at[i])
     q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2
 
-    def step_fn(step, carry):
-      acc, m_i, l_i, sigma_i = carry
+    def issue_qk(step, s_ref):
+      """Starts ``S = Q_c K_c^T + Q_r' K_r'^T`` of page ``step`` (async wgmma)."""
       slot = lax.rem(step, num_stages)
-      first_token = (first_page + step) * PAGE_SIZE
       with jax.named_scope("wait_kv"):
-        for i in range(3):
-          plgpu.barrier_wait(kv_ready.at[slot * 3 + i])
+        for which in (_CONTENT, _ROPE):
+          plgpu.barrier_wait(kv_bar(slot, which))
+      plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)
+      plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
 
-      def qk(s_ref):
-        plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)
-        plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
-        return s_ref[...]
-      with jax.named_scope("qk"):
-        s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-      with jax.named_scope("softmax"):
-        k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
-                                       s.shape, [1])
-        visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
-                                            heads=heads, causal=causal)
-        s = jnp.where(visible, s * common.row_broadcast(q_scale, s.shape) * k_scale, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_use)
-        p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))
-        l_i = l_i * alpha + p.sum(axis=1)
-      with jax.named_scope("quantize_p"):  # P' = P * scale_k, one E4M3 scale per (row, page)
-        p_fused = jnp.where(visible, p * k_scale, 0.0)
-        p_max = p_fused.max(axis=1)
-        sigma = jnp.where(p_max > 0,
-                          jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
-        p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)
-        factor = alpha * (sigma_i / sigma)
-      with jax.named_scope("wait_p_free"):
-        @pl.when(step > 0)
+    def first_scores(s_ref):
+      @pl.when(num_steps > 0)
+      def _():
+        issue_qk(0, s_ref)
+      return s_ref[...]
+
+    def step_fn(step, carry):
+      s, m_i, l_i, sigma_i = carry
+      slot = lax.rem(step, num_stages)
+      buf = lax.rem(step, P_BUFFERS)
+      first_token = (first_page + step) * PAGE_SIZE
+
+      def softmax_under_next_qk(s_next_ref):
+        @pl.when(step + 1 < num_steps)
         def _():
-          plgpu.barrier_wait(p_free)        # wg 1 done with the previous P and factor
-      with jax.named_scope("store_p"):
-        store_p(p_q)
-        factor_smem[...] = factor
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready)
-      with jax.named_scope("wait_v"):
-        plgpu.barrier_wait(v_ready)
-      with jax.named_scope("pv"):
-        acc = pv(acc * common.row_broadcast(factor, acc.shape), 0)
-      plgpu.barrier_arrive(v_free)
-      plgpu.barrier_arrive(kv_free.at[slot])
-      return acc, m_new, l_i, sigma
+          issue_qk(step + 1, s_next_ref)
+        with jax.named_scope("softmax"):
+          plgpu.barrier_wait(kv_bar(slot, _SCALE))
+          k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
+                                         s.shape, [1])
+          plgpu.barrier_arrive(kv_free.at[slot])  # QK and scales of this page are done
+          visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
+                                              heads=heads, causal=causal)
+          s_true = jnp.where(visible, s * common.row_broadcast(q_scale, s.shape) * k_scale,
+                             -jnp.inf)
+          m_new = jnp.maximum(m_i, s_true.max(axis=1))
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m_i - m_use)
+          p = jnp.exp2(s_true - common.row_broadcast(m_use, s.shape))
+          l_new = l_i * alpha + p.sum(axis=1)
+        with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
+          p_fused = jnp.where(visible, p * k_scale, 0.0)
+          p_max = p_fused.max(axis=1)
+          sigma = jnp.where(p_max > 0,
+                            jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
+          p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)
+          factor = alpha * (sigma_i / sigma)
+        with jax.named_scope("store_p"):
+          @pl.when(step >= P_BUFFERS)
+          def _():
+            plgpu.barrier_wait(p_free.at[buf])  # both halves done with page step - 2
+          store_p(p_q, buf)
+          factor_smem.at[buf][...] = factor
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(p_ready.at[buf])
+        with jax.named_scope("wait_qk"):
+          s_next = s_next_ref[...]
+        return s_next, m_new, l_new, sigma
 
-    carry = (common.zero_acc((QUERY_TILE, HALF_DIM)), common.zero_rows(QUERY_TILE, -jnp.inf),
-             common.zero_rows(QUERY_TILE), common.zero_rows(QUERY_TILE, 1.0))
-    acc, m_i, l_i, sigma_i = lax.fori_loop(0, num_steps, step_fn, carry)
+      return pl.run_scoped(softmax_under_next_qk,
+                           plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+
+    s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+    carry = (s0, common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
+             common.zero_rows(QUERY_TILE, 1.0))
+    _, m_i, l_i, sigma_i = lax.fori_loop(0, num_steps, step_fn, carry)
     seen = l_i > 0
-    out_factor = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
+    buf = lax.rem(num_steps, P_BUFFERS)
 
-    @pl.when(num_steps > 0)
+    @pl.when(num_steps >= P_BUFFERS)
     def _():
-      plgpu.barrier_wait(p_free)
-    factor_smem[...] = out_factor           # the last "step": wg 1 normalizes with it
+      plgpu.barrier_wait(p_free.at[buf])
+    # The last "step": the P V warpgroups normalize with this factor.
+    factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
     lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * common.LN2,
                               -jnp.inf)
     plgpu.commit_smem()
-    plgpu.barrier_arrive(p_ready)
+    plgpu.barrier_arrive(p_ready.at[buf])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
-    finish(acc, 0, out_factor)
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == 1)
-  def _pv_wg():
-    plgpu.set_max_registers(232, action="increase")
+  def pv_warpgroup(half: int):
+    prepare = dequantize_v if pv_impl == "f16" else transpose_v
+    issues_copies = half == 0
+    if issues_copies:
+      for step in range(num_stages):
+        @pl.when(step < num_steps)
+        def _():
+          issue_copies(step, step)
 
     def step_fn(step, acc):
       slot = lax.rem(step, num_stages)
+      buf = lax.rem(step, P_BUFFERS)
+      first_token = (first_page + step) * PAGE_SIZE
       with jax.named_scope("wait_kv"):
-        plgpu.barrier_wait(kv_ready.at[slot * 3])  # the content: overlap wg 0's QK
-
-      @pl.when(step > 0)
-      @jax.named_scope("wait_v_free")
-      def _():
-        plgpu.barrier_wait(v_free)          # wg 0 done with the previous V
+        plgpu.barrier_wait(kv_bar(slot, _CONTENT))
       with jax.named_scope("prepare_v"):
-        prepare_v(slot, (first_page + step) * PAGE_SIZE)
-      plgpu.barrier_arrive(v_ready)
-      with jax.named_scope("wait_p"):
-        plgpu.barrier_wait(p_ready)
-      factor = factor_smem[...]
-      with jax.named_scope("pv"):
-        acc = pv(acc * common.row_broadcast(factor, acc.shape), 1)
-      plgpu.barrier_arrive(p_free)
+        for masked in (False, True):  # only a partial page is masked
+          @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
+          def _():
+            prepare(slot, half, first_token, masked)
+        plgpu.commit_smem()
       plgpu.barrier_arrive(kv_free.at[slot])
+      if issues_copies:
+        @pl.when(step + num_stages < num_steps)
+        @jax.named_scope("refill")
+        def _():
+          plgpu.barrier_wait(kv_free.at[slot])
+          issue_copies(step + num_stages, slot)
+      with jax.named_scope("wait_p"):
+        plgpu.barrier_wait(p_ready.at[buf])
+      factor = factor_smem.at[buf][...]
+      with jax.named_scope("pv"):
+        v = v_smem[half] if pv_impl == "f16" else v_smem[half].T
+        acc = common.accumulate_pv(acc * common.row_broadcast(factor, acc.shape),
+                                   p_smem.at[buf], v, in_place=in_place)
+      plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
     acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((QUERY_TILE, HALF_DIM)))
+    buf = lax.rem(num_steps, P_BUFFERS)
+    plgpu.barrier_wait(p_ready.at[buf])
+    out = acc * common.row_broadcast(factor_smem.at[buf][...], acc.shape)
+    out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
 
-    @pl.when(num_steps > 0)
-    def _():
-      plgpu.barrier_wait(v_free)
-    plgpu.barrier_wait(p_ready)
-    finish(acc, 1, factor_smem[...])
+  pl.when(wg == SOFTMAX_WG)(softmax_warpgroup)
+  for half, pv_wg in enumerate(PV_WGS):
+    pl.when(wg == pv_wg)(functools.partial(pv_warpgroup, half))
 
 
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "pv",
@@ -268,7 +293,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   qs = common.pack_query_rows(q_scale, padded)
   qr = common.pack_query_rows(q_rope, padded)
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
-  stages = config.num_stages
+  stages = config.num_stages or DEFAULT_STAGES[pv]
 
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
@@ -276,14 +301,14 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   if pv == "f16":
     content_buf = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
     v_buf = common.smem((PAGE_SIZE, HALF_DIM), jnp.float16)
-    p_buf = common.smem((QUERY_TILE, PAGE_SIZE), jnp.float16)
+    p_buf = common.smem((P_BUFFERS, QUERY_TILE, PAGE_SIZE), jnp.float16)
   else:
     content_buf = plgpu.RefUnion(common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8),
                                  common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
     v_buf = plgpu.RefUnion(common.smem((HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
                            common.smem((HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
-    p_buf = plgpu.RefUnion(common.smem((QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
-                           common.smem((QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
+    p_buf = plgpu.RefUnion(common.smem((P_BUFFERS, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
+                           common.smem((P_BUFFERS, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -298,19 +323,18 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
           v_buf,
           v_buf,
           p_buf,
-          plgpu.SMEM((QUERY_TILE,), jnp.float32),
+          plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(num_barriers=3),
           plgpu.Barrier(num_barriers=3 * stages),
-          plgpu.Barrier(num_arrivals=common.NUM_COMPUTE_WGS, num_barriers=stages),
-          plgpu.Barrier(),
-          plgpu.Barrier(),
-          plgpu.Barrier(),
-          plgpu.Barrier(),
+          # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
+          plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages),
+          plgpu.Barrier(num_barriers=P_BUFFERS),
+          plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
       ],
       grid=(row_tiles, num_splits, batch),
       grid_names=("rows", "split", "batch"),
-      num_threads=common.NUM_COMPUTE_WGS + 1,
+      num_threads=1 + len(PV_WGS),
       thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(interpret),
@@ -349,7 +373,7 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     seq_lens: int32 ``[batch]``; tokens ``>= seq_len`` are never read into the result.
     softmax_scale: multiplies the (restored) scores.
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
-    config: pipeline knobs; ``None`` picks the defaults.
+    config: pipeline knobs; ``None`` picks the defaults (``DEFAULT_STAGES[pv]`` stages).
     pv: the ``P_q V`` implementation (see the module docstring).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
