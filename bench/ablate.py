@@ -46,6 +46,11 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "                                   p_smem.at[buf], v, in_place=in_place)",
          "acc = acc * common.row_broadcast(factor, acc.shape)"),
     ],
+    "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
+        ("page = bt_ref[b, first_page + step]", "page = bt_ref[b, first_page]"),
+    ],
+    "stages2": [('DEFAULT_STAGES = {"fp8": 3, "f16": 2}', 'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
+    "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
 }
 

@@ -18,6 +18,7 @@ import glob
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -55,6 +56,34 @@ def capture_fds(path: str):
         os.close(fd)
 
 
+def extract_cubin(text: str) -> bytes | None:
+  """The last ``gpu.binary``'s ``bin = "..."`` in an MLIR dump, as bytes (LLVM's escaping:
+  a backslash doubled, quotes and non-printable bytes as ``\\XX``)."""
+  start = text.rfind('bin = "')
+  if start < 0:
+    return None
+  out, i = bytearray(), start + len('bin = "')
+  while text[i] != '"':
+    if text[i:i + 2] == "\\\\":
+      out.append(ord("\\"))
+      i += 2
+    elif text[i] == "\\":
+      out.append(int(text[i + 1:i + 3], 16))
+      i += 3
+    else:
+      out += text[i].encode("latin-1")
+      i += 1
+  return bytes(out)
+
+
+def disassemble(cubin_path: str) -> str:
+  tool = shutil.which("cuobjdump") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/cuobjdump"))),
+                                          None)
+  if tool is None:
+    return ""
+  return subprocess.run([tool, "--dump-sass", cubin_path], capture_output=True, text=True).stdout
+
+
 def opcode_histogram(sass: str) -> collections.Counter:
   counts = collections.Counter()
   for line in sass.splitlines():
@@ -89,16 +118,26 @@ def main():
       del os.environ[key]
     texts = {}
     for path in sorted(glob.glob(os.path.join(dump, "*"))):
-      with open(path, errors="replace") as fh:
+      with open(path, encoding="latin-1") as fh:
         texts[os.path.basename(path)] = fh.read()
     print(f"\n== {name}: dumped {sorted(texts)}")
     report = "\n".join(texts.values())
     for line in report.splitlines():
       if len(line) > 300:   # the binary's bytes, printed inside the MLIR module
         continue
-      if re.search(r"ptxas info|registers|spill|stack frame", line, re.I):
+      if re.match(r"\s*(ptxas|\d+ bytes stack frame)", line):
         print("  ptxas:", line.strip())
-    sass = "\n".join(texts.values())  # the histogram only matches SASS lines
+    cubin = next(filter(None, map(extract_cubin, texts.values())), None)
+    sass = ""
+    if cubin:
+      with open(os.path.join(dump, "kernel.cubin"), "wb") as fh:
+        fh.write(cubin)
+      sass = disassemble(os.path.join(dump, "kernel.cubin"))
+      with open(os.path.join(dump, "kernel.sass"), "w") as fh:
+        fh.write(sass)
+    for path in glob.glob(os.path.join(dump, "*")):   # keep what is worth bringing back
+      if not path.endswith((".ptx", ".ptxas", ".sass", ".resources.txt")):
+        os.remove(path)
     counts = opcode_histogram(sass)
     rows.append((name, counts))
     print("  total SASS instructions:", sum(counts.values()))

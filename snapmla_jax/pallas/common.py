@@ -247,9 +247,17 @@ PROFILE_DIR_ENV = "SNAPMLA_PROFILE_DIR"
 (the ``jax.named_scope`` regions of each warpgroup, ``bench/profile_kernel.py``)."""
 
 
-def compiler_params():
+def compiler_params(auto_barriers: bool = True):
+  """Mosaic GPU's compiler parameters for the decode kernels.
+
+  ``auto_barriers=False`` drops the warpgroup barriers Mosaic puts around SMEM loads and
+  stores (``unsafe_no_auto_barriers``): only for a kernel where no thread reads SMEM it
+  writes, and every SMEM hand-off goes through ``commit_smem`` (which has its own barrier)
+  or an mbarrier.
+  """
   # No cross-warp reductions (row reductions stay inside a warp's quad): no scratch.
   profile_dir = os.environ.get(PROFILE_DIR_ENV, "")
   return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                              unsafe_no_auto_barriers=not auto_barriers,
                               profile_space=512 if profile_dir else 0,  # lives in SMEM
                               profile_dir=profile_dir, profile_bounds_check=bool(profile_dir))

@@ -336,7 +336,9 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
       grid_names=("rows", "split", "batch"),
       num_threads=1 + len(PV_WGS),
       thread_name="wg",
-      compiler_params=common.compiler_params(),
+      # No thread reads SMEM it writes: V^T, P, the factors and the LSE are written by one
+      # warpgroup and read by another (or by wgmma / TMA) behind commit_smem + mbarriers.
+      compiler_params=common.compiler_params(auto_barriers=False),
       interpret=common.interpret_params(interpret),
   )(qc, qs, qr, content, scale, rope, block_table, ranges, seq_lens)
   order = None if pv == "f16" else _FP8_PV_DIM_ORDER
