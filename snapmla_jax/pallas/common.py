@@ -1,17 +1,20 @@
 """Pieces shared by the Hopper MLA decode kernels (BF16 and FP8).
 
-Every kernel here has the same shape (FlashMLA's, scaled to Pallas Mosaic GPU 0.11.2):
+Both kernels share the grid, the split-KV schedule and a 64-token page per pipeline step
+(FlashMLA's shape, scaled to Pallas Mosaic GPU 0.11.2):
 
 * The query rows of one sequence, ``s_q * heads`` of them ordered ``(s_q, head)``, are cut
   into tiles of ``QUERY_TILE = 64`` rows (the wgmma M); one CTA owns one row tile of one
   sequence and one split of its pages. Grid: ``(row_tiles, num_splits, batch)``, rows
   fastest so that the CTAs reading the same pages run together and share L2.
-* Three warpgroups per CTA. Warpgroup 2 (memory) TMAs one 64-token page per pipeline step
-  through the block table into a ``num_stages``-deep SMEM ring. Warpgroup 0 computes
-  ``S = Q K^T`` over the 576 (512 + 64) dims, the online softmax (exp2 domain) and ``P``,
-  which it hands to warpgroup 1 through SMEM with the row rescaling factor. Each of the
-  two compute warpgroups accumulates half of the 512 output dims (FlashMLA's 256 + 256),
-  in strictly increasing page order.
+* Three warpgroups per CTA (a fourth would cap every thread at 128 registers: ptxas
+  allocates the whole kernel at the launch's cap, whatever setmaxnreg asks). In the BF16
+  kernel warpgroup 2 (memory, ``fetch_pages``) TMAs the pages through the block table into
+  a ``num_stages``-deep SMEM ring; warpgroup 0 computes ``S = Q K^T`` over the 576
+  (512 + 64) dims, the online softmax (exp2 domain) and ``P``, which it hands to warpgroup 1
+  through SMEM with the row rescaling factor. The FP8 kernel splits the roles differently
+  (its module docstring). Two warpgroups each accumulate half of the 512 output dims
+  (FlashMLA's 256 + 256), in strictly increasing page order.
 * Splits: the pages of each sequence are divided evenly into ``num_splits`` contiguous
   ranges (computed under jit from ``seq_lens`` by ``split_page_ranges``); each split writes
   an f32 partial output and its log-sum-exp, merged by ``snapmla_jax.combine``.
