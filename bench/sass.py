@@ -4,7 +4,8 @@ Compiles each kernel once (one small shape) with Mosaic GPU's dump switches on, 
 dumps under ``--out`` and prints, per kernel, the registers / spills / stack that ptxas
 reports and the count of the SASS opcodes that matter for this kernel (tensor-core ops,
 shared-memory traffic, local memory = spills, conversions, special functions, shuffles,
-barriers). Needs ``nvdisasm`` (found on PATH or under /usr/local/cuda*/bin).
+barriers). The SASS comes from the cubin in Mosaic's MLIR dump, through ``cuobjdump``
+(found on PATH or under /usr/local/cuda*/bin; the H200 image has it).
 
   python bench/sass.py --out DIR [--batch 8 --heads 128 --context 2048]
 """
@@ -26,14 +27,6 @@ import jax
 WATCH = ("HGMMA", "QGMMA", "WARPGROUP", "LDSM", "STSM", "LDS", "STS", "LDL", "STL", "LDG",
          "STG", "UTMALDG", "SYNCS", "BAR", "SHFL", "MUFU", "F2FP", "F2F", "I2F", "F2I", "PRMT",
          "LOP3", "FMUL", "FFMA", "FADD", "FMNMX", "FSETP", "ISETP", "IMAD", "BRA")
-
-
-def find_nvdisasm():
-  found = shutil.which("nvdisasm") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))),
-                                           None)
-  if found:
-    os.environ["PATH"] = os.path.dirname(found) + os.pathsep + os.environ["PATH"]
-  return found
 
 
 @contextlib.contextmanager
@@ -100,7 +93,6 @@ def main():
   parser.add_argument("--context", type=int, default=2048)
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
-  print("nvdisasm:", find_nvdisasm())
 
   from bench.kernel import impls, make_inputs
   kernels = {k: v for k, v in impls().items() if k != "xla-bf16"}
@@ -109,8 +101,7 @@ def main():
   for name, (kind, f) in kernels.items():
     dump = os.path.join(args.out, name)
     os.makedirs(dump, exist_ok=True)
-    switches = dict(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1",
-                    MOSAIC_GPU_DUMP_SASS="1")
+    switches = dict(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
     os.environ.update(switches)
     with capture_fds(os.path.join(dump, "compile.log")):  # the C++ side prints to fd 1 and 2
       jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))

@@ -9,7 +9,7 @@ Both kernels share the grid, the split-KV schedule and a 64-token page per pipel
   fastest so that the CTAs reading the same pages run together and share L2.
 * Three warpgroups per CTA (a fourth would cap every thread at 128 registers: ptxas
   allocates the whole kernel at the launch's cap, whatever setmaxnreg asks). In the BF16
-  kernel warpgroup 2 (memory, ``fetch_pages``) TMAs the pages through the block table into
+  kernel warpgroup 2 (memory) TMAs the pages through the block table into
   a ``num_stages``-deep SMEM ring; warpgroup 0 computes ``S = Q K^T`` over the 576
   (512 + 64) dims, the online softmax (exp2 domain) and ``P``, which it hands to warpgroup 1
   through SMEM with the row rescaling factor. The FP8 kernel splits the roles differently
@@ -40,8 +40,6 @@ CONTENT_DIM = 512
 ROPE_DIM = 64
 HALF_DIM = CONTENT_DIM // 2
 """Output dims owned by each compute warpgroup (the wgmma N of P V)."""
-NUM_COMPUTE_WGS = 2
-MEMORY_WG = NUM_COMPUTE_WGS
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 HOPPER_NUM_SMS = 132
@@ -106,6 +104,20 @@ def num_row_tiles(s_q: int, heads: int) -> int:
   return pl.cdiv(s_q * heads, QUERY_TILE)
 
 
+def cta_work(ranges_ref, lens_ref):
+  """In a kernel: what this CTA works on, from its grid position.
+
+  Returns ``(row_tile, split, batch, first_page, num_steps, seq_len, rows)``: the grid
+  indices, the split's first page and page count (``ranges_ref``, from
+  ``split_page_ranges``), the sequence's length and the ``pl.ds`` of its query rows.
+  """
+  row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
+  first_page = ranges_ref[b, split, 0]
+  num_steps = ranges_ref[b, split, 1] - first_page
+  rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)
+  return row_tile, split, b, first_page, num_steps, lens_ref[b], rows
+
+
 def default_num_splits(batch: int, row_tiles: int, max_pages: int,
                        num_sms: int = HOPPER_NUM_SMS) -> int:
   """Splits per sequence so that ``batch * row_tiles * splits`` about fills one wave.
@@ -163,26 +175,6 @@ def unpack_outputs(out_parts, lse_parts, s_q: int, heads: int, out_dim_order=Non
   out = out.reshape(batch, s_q, heads, CONTENT_DIM).astype(jnp.bfloat16)
   lse = jnp.transpose(lse.reshape(batch, s_q, heads), (0, 2, 1))
   return out, lse
-
-
-def fetch_pages(num_steps, num_stages: int, kv_free, issue_copies) -> None:
-  """The memory warpgroup: one page per step into a ``num_stages``-deep SMEM ring.
-
-  ``issue_copies(step, slot)`` starts the TMAs of page ``step`` into ring slot ``slot``;
-  from the second lap on, a slot is refilled once every consumer has arrived on
-  ``kv_free[slot]``.
-  """
-  plgpu.set_max_registers(40, action="decrease")
-
-  @pl.loop(0, num_steps)
-  def _fetch(step):
-    slot = lax.rem(step, num_stages)
-
-    @pl.when(step >= num_stages)
-    def _():
-      plgpu.barrier_wait(kv_free.at[slot])
-
-    issue_copies(step, slot)
 
 
 def tile_transforms(dtype, swizzle: int = 128):

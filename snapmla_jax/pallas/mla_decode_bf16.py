@@ -28,7 +28,29 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM, TuningConfig)
 
 LATENT_DIM = CONTENT_DIM + ROPE_DIM
+NUM_COMPUTE_WGS = 2
+MEMORY_WG = NUM_COMPUTE_WGS
 DEFAULT_STAGES = 2   # two 72 KB pages next to the 72 KB query fill the SMEM
+
+
+def _fetch_pages(num_steps, num_stages: int, kv_free, issue_copies) -> None:
+  """The memory warpgroup: one page per step into a ``num_stages``-deep SMEM ring.
+
+  ``issue_copies(step, slot)`` starts the TMAs of page ``step`` into ring slot ``slot``;
+  from the second lap on, a slot is refilled once every consumer has arrived on
+  ``kv_free[slot]``.
+  """
+  plgpu.set_max_registers(40, action="decrease")
+
+  @pl.loop(0, num_steps)
+  def _fetch(step):
+    slot = lax.rem(step, num_stages)
+
+    @pl.when(step >= num_stages)
+    def _():
+      plgpu.barrier_wait(kv_free.at[slot])
+
+    issue_copies(step, slot)
 
 
 def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
@@ -37,19 +59,16 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
             q_bar, kv_ready, kv_free, p_ready, p_free,        # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             in_place: bool):
-  row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
+  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
+                                                                             lens_ref)
   wg = lax.axis_index("wg")
-  first_page = ranges_ref[b, split, 0]
-  num_steps = ranges_ref[b, split, 1] - first_page
-  seq_len = lens_ref[b]
-  rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)
 
-  @pl.when(wg == common.MEMORY_WG)
+  @pl.when(wg == MEMORY_WG)
   def _memory():
     def issue_copies(step, slot):
       page = bt_ref[b, first_page + step]
       plgpu.copy_gmem_to_smem(latent_ref.at[page], kv_smem.at[slot], kv_ready.at[slot])
-    common.fetch_pages(num_steps, num_stages, kv_free, issue_copies)
+    _fetch_pages(num_steps, num_stages, kv_free, issue_copies)
 
   def zero_tail(slot, first_token):
     """Zeroes the content of tokens ``>= seq_len`` of a partial page (NaN-safe P V)."""
@@ -177,13 +196,13 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_arrivals=common.NUM_COMPUTE_WGS, num_barriers=stages),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
           plgpu.Barrier(),
           plgpu.Barrier(),
       ],
       grid=(row_tiles, num_splits, batch),
       grid_names=("rows", "split", "batch"),
-      num_threads=common.NUM_COMPUTE_WGS + 1,
+      num_threads=NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(interpret),

@@ -83,12 +83,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool):
-  row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
+  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
+                                                                             lens_ref)
   wg = lax.axis_index("wg")
-  first_page = ranges_ref[b, split, 0]
-  num_steps = ranges_ref[b, split, 1] - first_page
-  seq_len = lens_ref[b]
-  rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)
   v_smem = (v0_smem, v1_smem)  # each P V warpgroup's half of V (f16) or V^T (fp8)
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
