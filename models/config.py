@@ -97,6 +97,19 @@ class DeepseekV3Config:
                rope_theta=rope_theta, rope_scaling=scaling,
                eos_token_id=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,))
 
+  def to_hf(self) -> dict[str, Any]:
+    """The HF ``config.json`` fields, RoPE in DeepSeek's spelling (``rope_theta`` beside
+    ``rope_scaling``); ``from_hf(cfg.to_hf()) == cfg``."""
+    hf = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    if self.rope_scaling is not None:
+      hf["rope_scaling"] = {"type": "yarn", **{k: v for k, v in dataclasses.asdict(
+          self.rope_scaling).items() if v is not None}}
+    eos = list(self.eos_token_id)
+    hf["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "hidden_act": "silu", "num_key_value_heads": self.num_attention_heads,
+            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "attention_bias": False, **hf}
+
   @classmethod
   def from_json(cls, path: str | pathlib.Path) -> "DeepseekV3Config":
     return cls.from_hf(json.loads(pathlib.Path(path).read_text()))

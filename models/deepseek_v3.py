@@ -10,6 +10,7 @@ Einsum letters as in ``models.mla``; V here is the vocabulary only in ``lm_head`
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import jax
@@ -77,14 +78,19 @@ class DeepseekV3(nnx.Module):
   def _logits(self, x: jax.Array) -> jax.Array:
     return self.lm_head(self.norm(x))
 
-  def __call__(self, input_ids: jax.Array) -> jax.Array:
-    """Full causal forward, no cache: ``input_ids int [B, T]`` -> logits ``[B, T, vocab]``."""
+  def __call__(self, input_ids: jax.Array, *, remat: bool = False) -> jax.Array:
+    """Full causal forward, no cache: ``input_ids int [B, T]`` -> logits ``[B, T, vocab]``.
+
+    ``remat``: recompute each layer's activations in the backward pass (training)."""
     b, t = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    apply = lambda layer, x: layer(x, positions, mask)
+    if remat:
+      apply = nnx.remat(apply)
     x = self.embed_tokens(input_ids)
     for layer in self.layers:
-      x = layer(x, positions, mask)
+      x = apply(layer, x)
     return self._logits(x)
 
   def init_cache(self, num_pages: int, *, page_size: int = 64, kind: CacheKind = "fp8") -> Caches:
@@ -188,3 +194,12 @@ def load_pretrained(path: str | pathlib.Path, *, dtype=jnp.float32,
   place = None if mesh is None else sharding.placement(mesh)
   return hf_loader.load_into(lambda: DeepseekV3(cfg, dtype=dtype, rngs=nnx.Rngs(0)), path, cfg,
                              place)
+
+
+def save_pretrained(model: DeepseekV3, path: str | pathlib.Path) -> None:
+  """Writes ``model`` as a Hugging Face DeepSeek-V3 checkpoint directory (``config.json``
+  and sharded safetensors in the parameters' dtype) that ``load_pretrained`` reads back."""
+  from models import hf_loader
+  path = pathlib.Path(path)
+  hf_loader.save_from(model, path, model.cfg)
+  (path / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))

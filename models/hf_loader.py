@@ -19,6 +19,7 @@ import pathlib
 import re
 import struct
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -156,34 +157,42 @@ def quantize_fp8_blocks(weight: np.ndarray, *, block: int = FP8_BLOCK):
 
 # ----------------------------------------------------------------------------- name map
 
-Source = tuple[list[str], list[tuple[int, ...]], Callable[[list[np.ndarray]], np.ndarray]]
-"""``(HF names, their expected shapes, combine: arrays -> our leaf)``."""
+class Source(NamedTuple):
+  """The HF tensors behind one state leaf: their names and shapes, and both directions."""
+
+  names: list[str]
+  shapes: list[tuple[int, ...]]
+  combine: Callable[[list[np.ndarray]], np.ndarray]   # HF arrays -> our leaf
+  split: Callable[[np.ndarray], list[np.ndarray]]     # our leaf -> HF arrays
 
 
 def _linear(name: str, shape: Sequence[int], in_axes: int = 1) -> Source:
   """HF ``nn.Linear`` weight ``[out, in]`` -> our ``kernel [in..., out...]``."""
   hf_shape = (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
-  return [name], [hf_shape], lambda ws: ws[0].T.reshape(shape)
+  return Source([name], [hf_shape], lambda ws: ws[0].T.reshape(shape),
+                lambda leaf: [leaf.reshape(hf_shape[::-1]).T])
 
 
 def hf_sources(path: tuple, shape: Sequence[int], cfg: DeepseekV3Config) -> Source:
-  """The HF tensors that fill our state leaf ``path`` (of ``shape``), and how."""
+  """The HF tensors that hold our state leaf ``path`` (of ``shape``), and how."""
   keys = [str(k) for k in path]
   shape = tuple(shape)
   if keys == ["lm_head", "kernel"]:
     if cfg.tie_word_embeddings:
-      return ["model.embed_tokens.weight"], [shape[::-1]], lambda ws: ws[0].T
+      return Source(["model.embed_tokens.weight"], [shape[::-1]], lambda ws: ws[0].T,
+                    lambda leaf: [])  # written once, as the embedding
     return _linear("lm_head.weight", shape)
   name = "model." + ".".join(keys[:-1])
   if keys[0] == "layers" and keys[2:4] == ["mlp", "experts"] and len(keys) == 5:
     # Routed experts, stacked: experts.{e}.{proj}.weight [out, in] -> [E, in, out].
     stem = f"model.layers.{keys[1]}.mlp.experts"
     names = [f"{stem}.{e}.{keys[4]}.weight" for e in range(shape[0])]
-    return names, [shape[:0:-1]] * shape[0], lambda ws: np.stack([w.T for w in ws])
+    return Source(names, [shape[:0:-1]] * shape[0], lambda ws: np.stack([w.T for w in ws]),
+                  lambda leaf: [w.T for w in leaf])
   if keys[-1] == "kernel":
     # o_proj contracts two axes (heads, v_head_dim); every other projection one.
     return _linear(name + ".weight", shape, in_axes=2 if keys[-2] == "o_proj" else 1)
-  return [name + "." + keys[-1]], [shape], lambda ws: ws[0]
+  return Source([name + "." + keys[-1]], [shape], lambda ws: ws[0], lambda leaf: [leaf])
 
 
 def _scale_name(name: str) -> str:
@@ -224,7 +233,7 @@ def load_into(factory: Callable[[], nnx.Module], path: str | pathlib.Path,
   leaves = list(nnx.to_flat_state(state))
   plans, used, missing, mismatched = [], set(), [], []
   for leaf_path, var in leaves:
-    names, shapes, combine = hf_sources(leaf_path, var.shape, cfg)
+    names, shapes, combine, _ = hf_sources(leaf_path, var.shape, cfg)
     for name, shape in zip(names, shapes):
       if name not in ckpt:
         missing.append(name)
@@ -250,3 +259,30 @@ def load_into(factory: Callable[[], nnx.Module], path: str | pathlib.Path,
     filled.append((leaf_path, var.replace(
         jnp.asarray(value) if place is None else place(leaf_path, value))))
   return nnx.merge(graphdef, nnx.from_flat_state(filled))
+
+
+def save_from(model: nnx.Module, path: str | pathlib.Path, cfg: DeepseekV3Config, *,
+              max_shard_bytes: int = 2 << 30) -> None:
+  """Writes ``model``'s weights as HF safetensors under the directory ``path`` (the
+  inverse of ``load_into``), in shards of at most ``max_shard_bytes`` with a
+  ``model.safetensors.index.json``, in each leaf's own dtype."""
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for leaf_path, var in nnx.to_flat_state(nnx.state(model)):
+    source = hf_sources(leaf_path, var.shape, cfg)
+    for name, array in zip(source.names, source.split(np.asarray(var[...]))):
+      if size and size + array.nbytes > max_shard_bytes:
+        shards.append({})
+        size = 0
+      shards[-1][name] = array
+      size += array.nbytes
+  weight_map = {}
+  for i, tensors in enumerate(shards):
+    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_safetensors(path / file, tensors)
+    weight_map.update(dict.fromkeys(tensors, file))
+  (path / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {"total_size": sum(a.nbytes for t in shards for a in t.values())},
+       "weight_map": weight_map}, indent=2))

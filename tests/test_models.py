@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import generate, generate_with_logits, load_pretrained
+from models import (DeepseekV3Config, generate, generate_with_logits, load_pretrained,
+                    save_pretrained)
 from models.hf_loader import (CheckpointError, SafetensorsCheckpoint, quantize_fp8_blocks,
                               save_safetensors)
 
@@ -118,6 +119,17 @@ def test_config_accepts_rope_scaling_spelling(tmp_path, model, reference):
   out = tmp_path / "ckpt"
   shutil.copytree(FIXTURE, out)
   (out / "config.json").write_text(json.dumps(config))
+  ids = jnp.asarray(reference["input_ids"], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(load_pretrained(out)(ids)), np.asarray(model(ids)))
+
+
+def test_save_pretrained_round_trips(tmp_path, model, reference):
+  """The fixture written back by ``save_pretrained`` (tensors under HF names, config in
+  DeepSeek's spelling, several shards) loads into the same model, bit for bit."""
+  out = tmp_path / "saved"
+  save_pretrained(model, out)
+  assert DeepseekV3Config.from_json(out / "config.json") == model.cfg
+  assert SafetensorsCheckpoint(out).keys() == SafetensorsCheckpoint(FIXTURE).keys()
   ids = jnp.asarray(reference["input_ids"], jnp.int32)
   np.testing.assert_array_equal(np.asarray(load_pretrained(out)(ids)), np.asarray(model(ids)))
 
