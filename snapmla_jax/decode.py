@@ -4,8 +4,11 @@ Implementations:
 
 * ``"pallas"``: the Hopper (sm_90) Mosaic GPU kernels of ``snapmla_jax.pallas``
   (``mla_decode_bf16`` for BF16 caches, ``mla_decode_fp8`` for FP8 ones).
-* ``"xla"``: portable jnp. BF16 caches: gather, bf16 matmuls with f32 accumulation,
-  f32 softmax. FP8 caches: ``reference.snapmla_emulate``, the exact FP8 pipeline.
+* ``"xla"``: portable jnp: gather, bf16 matmuls with f32 accumulation, f32 softmax.
+  An FP8 cache is dequantized to bf16 first (dequantize-then-attend: the queries and
+  the probabilities are not quantized).
+* ``"emulate"``: FP8 caches only: ``reference.snapmla_emulate``, the exact FP8
+  pipeline of the kernel (FP8 Q, scale-fused block-quantized P), in jnp; the oracle.
 * ``"auto"``: ``"pallas"`` on a Hopper GPU for the kernels' shapes (512 + 64 dims,
   64-token pages), ``"xla"`` otherwise.
 """
@@ -22,7 +25,7 @@ from snapmla_jax import quant
 from snapmla_jax.cache import PagedLatentCache, check_block_table
 from snapmla_jax.reference import attention_mask, snapmla_emulate
 
-Impl = Literal["auto", "xla", "pallas"]
+Impl = Literal["auto", "xla", "emulate", "pallas"]
 
 
 def mla_decode(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentCache,
@@ -42,7 +45,7 @@ def mla_decode(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentCache,
     softmax_scale: scales the logits; default ``(kv_lora_rank + rope_dim) ** -0.5``.
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]`` (multi-token
       prediction); otherwise every query sees all ``seq_len``.
-    impl: ``"auto"``, ``"xla"`` or ``"pallas"`` (see the module docstring).
+    impl: ``"auto"``, ``"xla"``, ``"emulate"`` or ``"pallas"`` (see the module docstring).
 
   Returns:
     ``(out [batch, s_q, heads, kv_lora_rank] in q_nope.dtype, lse f32 [batch, heads, s_q])``,
@@ -58,11 +61,16 @@ def mla_decode(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentCache,
     out, lse = _decode_pallas(q_nope, q_rope, cache, block_table, seq_lens,
                               softmax_scale=softmax_scale, causal=causal)
   elif impl == "xla":
-    decode = _decode_xla_fp8 if cache.kind == "fp8" else _decode_xla_bf16
-    out, lse = decode(q_nope, q_rope, cache, block_table, seq_lens,
-                      softmax_scale=softmax_scale, causal=causal)
+    out, lse = _decode_xla(q_nope, q_rope, cache, block_table, seq_lens,
+                           softmax_scale=softmax_scale, causal=causal)
+  elif impl == "emulate":
+    if cache.kind != "fp8":
+      raise ValueError(f"impl='emulate' is the FP8 pipeline: it needs an fp8 cache, got "
+                       f"{cache.kind=!r}")
+    out, lse = snapmla_emulate(q_nope, q_rope, cache, block_table, seq_lens,
+                               softmax_scale=softmax_scale, causal=causal)
   else:
-    raise ValueError(f'impl must be "auto", "xla" or "pallas", got {impl=!r}')
+    raise ValueError(f'impl must be "auto", "xla", "emulate" or "pallas", got {impl=!r}')
   return out.astype(q_nope.dtype), lse
 
 
@@ -95,8 +103,12 @@ def _decode_pallas(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scal
                         softmax_scale=softmax_scale, causal=causal)
 
 
-def _decode_xla_bf16(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scale, causal):
-  (latent,) = cache.gather(block_table)  # [b, T, 576] bf16
+def _decode_xla(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scale, causal):
+  if cache.kind == "fp8":
+    latent = jnp.concatenate(quant.dequantize_latent(*cache.gather(block_table),
+                                                     dtype=jnp.bfloat16), axis=-1)
+  else:
+    (latent,) = cache.gather(block_table)  # [b, T, 576] bf16
   s_q, s_k, rank = q_nope.shape[1], latent.shape[1], cache.kv_lora_rank
   valid_k = (jnp.arange(s_k)[None, :] < seq_lens[:, None])[..., None]
   latent = jnp.where(valid_k, latent, jnp.zeros_like(latent))  # unused slots may be NaN
@@ -115,11 +127,6 @@ def _decode_xla_bf16(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_sc
   out = jnp.where(seen[..., None], out / safe[..., None], 0.0)
   lse = jnp.where(seen, row_max[..., 0] + jnp.log(safe), -jnp.inf)
   return out, jnp.transpose(lse, (0, 2, 1))
-
-
-def _decode_xla_fp8(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scale, causal):
-  return snapmla_emulate(q_nope, q_rope, cache, block_table, seq_lens,
-                         softmax_scale=softmax_scale, causal=causal)
 
 
 def _check_inputs(q_nope, q_rope, cache, block_table, seq_lens) -> None:
