@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.config import DeepseekV3Config
+from snapmla_jax import sharding
 
 
 class Dense(nnx.Module):
@@ -158,9 +160,44 @@ class MoEGate(nnx.Module):
     return weights * cfg.routed_scaling_factor, experts
 
 
+def expert_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+               up_proj: jax.Array, down_proj: jax.Array, first_expert=0) -> jax.Array:
+  """The weighted SwiGLU outputs of the experts ``[first_expert, first_expert + E_local)``.
+
+  Token-expert pairs are sorted by expert and go through ``lax.ragged_dot`` (grouped
+  GEMM); pairs routed to other experts sort last, outside every group, and add nothing.
+
+  Args:
+    x: ``[T, D]``; weights: ``[T, K]``; experts: ``int32 [T, K]`` global expert ids.
+    gate_proj, up_proj: ``[E_local, D, F]``; down_proj: ``[E_local, F, D]``.
+    first_expert: the global id of local expert 0 (may be traced).
+
+  Returns:
+    ``[T, D]``, the sum over each token's local experts.
+  """
+  num_local, k = gate_proj.shape[0], experts.shape[1]
+  local = experts.reshape(-1) - first_expert
+  is_local = (local >= 0) & (local < num_local)
+  key = jnp.where(is_local, local, num_local)
+  order = jnp.argsort(key, stable=True)                       # [T*K], grouped by expert
+  token = order // k
+  group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+  xs = x[token]                                               # [T*K, D]
+  h = (jax.nn.silu(jax.lax.ragged_dot(xs, gate_proj, group_sizes))
+       * jax.lax.ragged_dot(xs, up_proj, group_sizes))
+  ys = jax.lax.ragged_dot(h, down_proj, group_sizes)          # [T*K, D]
+  ys = jnp.where(is_local[order, None], ys * weights.reshape(-1)[order, None].astype(ys.dtype), 0)
+  return jnp.zeros_like(x).at[token].add(ys)
+
+
 class RoutedExperts(nnx.Module):
-  """The routed experts as stacked weights; tokens are sorted by expert and go through
-  ``lax.ragged_dot`` (grouped GEMM), so each token computes only its K experts."""
+  """The routed experts as stacked weights; each token computes only its K experts.
+
+  Under a mesh with a ``tp`` axis (``jax.set_mesh``), expert parallelism written with
+  collectives: the experts are split over ``tp`` (``models.sharding``), each device
+  runs its own experts on the tokens of its ``dp`` shard (replicated across ``tp``)
+  in ``shard_map``, and a ``psum`` over ``tp`` adds the partial outputs.
+  """
 
   def __init__(self, cfg: DeepseekV3Config, *, dtype, rngs: nnx.Rngs):
     e, d, f = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -171,16 +208,23 @@ class RoutedExperts(nnx.Module):
 
   def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """``x [T, D]``, ``weights [T, K]``, ``experts int32 [T, K]`` -> ``[T, D]``."""
-    num_tokens, k = experts.shape
-    order = jnp.argsort(experts.reshape(-1), stable=True)      # [T*K], grouped by expert
-    token = order // k
-    group_sizes = jnp.bincount(experts.reshape(-1), length=self.gate_proj.shape[0]).astype(jnp.int32)
-    xs = x[token]                                               # [T*K, D]
-    h = (jax.nn.silu(jax.lax.ragged_dot(xs, self.gate_proj[...], group_sizes))
-         * jax.lax.ragged_dot(xs, self.up_proj[...], group_sizes))
-    ys = jax.lax.ragged_dot(h, self.down_proj[...], group_sizes)  # [T*K, D]
-    ys = ys * weights.reshape(-1)[order, None].astype(ys.dtype)
-    return jnp.zeros_like(x).at[token].add(ys)
+    params = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+    mesh = jax.sharding.get_abstract_mesh()
+    if sharding.TP not in mesh.axis_names or mesh.shape[sharding.TP] == 1:
+      return expert_ffn(x, weights, experts, *params)
+    tp = mesh.shape[sharding.TP]
+    if params[0].shape[0] % tp:
+      raise ValueError(f"{params[0].shape[0]} routed experts do not split over tp={tp}")
+    tokens = P(sharding.DP if sharding.DP in mesh.axis_names else None)
+    per_device = P(sharding.TP)
+
+    def local_experts(x, weights, experts, *params):
+      first = jax.lax.axis_index(sharding.TP) * params[0].shape[0]
+      return jax.lax.psum(expert_ffn(x, weights, experts, *params, first_expert=first),
+                          sharding.TP)
+
+    return jax.shard_map(local_experts, mesh=mesh, in_specs=(tokens,) * 3 + (per_device,) * 3,
+                         out_specs=tokens)(x, weights, experts, *params)
 
 
 class MoE(nnx.Module):

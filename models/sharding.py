@@ -4,9 +4,11 @@
 units are split over ``tp`` (``q_b_proj``/``kv_b_proj`` by heads, ``o_proj`` by heads, so
 its contraction reduces across ``tp``; ``gate/up_proj`` by columns, ``down_proj`` by rows),
 the routed experts are split over ``tp``, everything else is replicated. XLA's SPMD
-partitioner inserts the collectives. The latent attention itself runs per device through
-``snapmla_jax.sharding.mla_decode_sharded`` (the MLA layer switches to it when a mesh with
-``dp``/``tp`` axes is set, ``jax.set_mesh``), over caches placed with ``shard_cache``.
+partitioner inserts the collectives of the dense parts. Under ``jax.set_mesh`` two layers
+run per device in ``shard_map`` with their collectives written out: the latent attention
+(``snapmla_jax.sharding.mla_decode_sharded``, over caches placed with ``shard_cache``)
+and the routed experts (``models.layers.RoutedExperts``: each device its own experts on
+its dp shard's tokens, then a ``psum`` over ``tp``).
 """
 
 from __future__ import annotations
