@@ -1,0 +1,19 @@
+"""Benchmark scripts run end to end on CPU at small shapes (their figures come from the H200)."""
+
+import jax
+import jax.numpy as jnp
+
+from bench import data_path
+
+
+def test_entry_kernels_counts_the_launching_ops():
+  f = jax.jit(lambda x: (jnp.sin(x) * 2, jnp.sum(x)))
+  kernels = data_path.entry_kernels(f.lower(jnp.ones((4, 4))).compile().as_text())
+  assert 1 <= len(kernels) <= 3 and "parameter" not in kernels and "tuple" not in kernels
+
+
+def test_data_path_small_run(tmp_path, capsys):
+  data_path.main(["--small", "--md", str(tmp_path / "t.md")])
+  table = (tmp_path / "t.md").read_text()
+  for op in ("Q-quant", "fetch-dequant", "K-append"):
+    assert op in table
