@@ -1,6 +1,7 @@
 """The SnapMLA FP8 Hopper decode kernel (``snapmla_jax.pallas.mla_decode_fp8``).
 
-Tiers: CUDA lowering on CPU at production shapes, ``gpu``-marked tests on the H200.
+Three tiers: GPU interpret mode on CPU at small shapes (``pv="f16"``), CUDA lowering on
+CPU at production shapes (both ``pv``), ``gpu``-marked tests on the H200.
 
 Oracle: ``reference.snapmla_emulate``, the exact FP8 pipeline. The kernel differs from it
 in summation order, in computing ``exp`` as ``exp2`` of pre-scaled logits, and above all in
@@ -11,9 +12,12 @@ first version): 1.9e-3..6.5e-3 relative L2 on the output, |lse error| 7e-5..1.1e
 Bounds: 1e-2 and 2e-3; against the fp32 reference on unquantized inputs the kernel must be
 no worse than the emulation's own error + 5e-3.
 
-GPU interpret mode on CPU runs this kernel but hangs intermittently in 0.11.2 (the memory
-warpgroup's copies are never issued in some thread interleavings, whatever the barrier
-layout), so CI checks it by lowering for CUDA at production shapes and on the H200 only.
+Interpret mode runs ``pv="f16"``: the same warpgroups, softmax, P quantization, ring and
+barriers as ``pv="fp8"``, which it cannot run (its V^T build reads the TMA'd page through
+the u16 view of a ``RefUnion`` whose e4m3 view the copy wrote; the interpreter forbids
+reading bytes through another view than the one that wrote them). It needs three CPU
+executions at once (one per warpgroup): conftest's eight host devices provide them on a
+two-core machine, where a single device's pool deadlocks.
 """
 
 from __future__ import annotations
@@ -58,6 +62,34 @@ def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", interpret=Fa
   empty = np.isneginf(np.asarray(emu_lse)).transpose(0, 2, 1)  # [b, s_q, h]
   assert np.all(out[empty] == 0)
   return err, lerr, ref_err
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+  yield
+
+
+# ---------------------------------------------------------------------------------------
+# Tier 1: GPU interpret mode on CPU (races detected), small shapes, pv="f16".
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seq_lens,s_q,heads,splits,stages", [
+    ([100, 3], 2, 16, None, None),  # partial pages with NaN tails, s_q = 2 causal
+    ([1, 130], 2, 16, 2, None),     # seq_len 1 at s_q = 2: a row that sees nothing; empty split
+    ([64, 300], 1, 48, 1, 2),       # heads off the tile size; 5 pages through a 2-slot ring
+])
+def test_interpret(seq_lens, s_q, heads, splits, stages):
+  case = make_case(0, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",))
+  run_and_check(case, s_q=s_q, config=TuningConfig(num_stages=stages, num_splits=splits),
+                interpret=True)
+
+
+@pytest.mark.timeout(120)
+def test_interpret_two_row_tiles_not_causal_zero_tokens():
+  case = make_case(1, [70, 200], s_q=2, heads=64, kinds=("fp8",), zero_tokens=70)
+  run_and_check(case, s_q=2, causal=False, interpret=True)
 
 
 # ---------------------------------------------------------------------------------------

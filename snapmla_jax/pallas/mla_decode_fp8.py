@@ -226,6 +226,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready.at[buf])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+
+    @pl.when(num_steps >= 1)  # observe the last page's release: every phase is waited
+    def _():
+      plgpu.barrier_wait(p_free.at[lax.rem(num_steps - 1, P_BUFFERS)])
     plgpu.wait_smem_to_gmem(0)
 
   def pv_warpgroup(half: int):
@@ -267,6 +271,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return acc
 
     acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((QUERY_TILE, HALF_DIM)))
+    if issues_copies:  # observe the releases of the last pages, which it did not refill
+      for back in range(num_stages, 0, -1):
+        @pl.when(num_steps - back >= 0)
+        def _():
+          plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
     buf = lax.rem(num_steps, P_BUFFERS)
     plgpu.barrier_wait(p_ready.at[buf])
     out = acc * common.row_broadcast(factor_smem.at[buf][...], acc.shape)
