@@ -30,8 +30,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          '    prepare = dequantize_v if pv_impl == "f16" else (lambda *a: None)\n'),
     ],
     "no_exp": [
-        ("p = jnp.exp2(s_true - common.row_broadcast(m_use, s.shape))",
-         "p = s_true - common.row_broadcast(m_use, s.shape)"),
+        ("p = jnp.exp2(t * common.row_broadcast(q_scale, s.shape)",
+         "p = (t * common.row_broadcast(q_scale, s.shape)"),
     ],
     "no_p_quant": [
         ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",

@@ -17,3 +17,10 @@ def test_data_path_small_run(tmp_path, capsys):
   table = (tmp_path / "t.md").read_text()
   for op in ("Q-quant", "fetch-dequant", "K-append"):
     assert op in table
+
+
+def test_every_kernel_ablation_still_applies():
+  """bench/ablate.py edits the FP8 kernel's source by exact strings: each must match once."""
+  from bench import ablate
+  for name in ablate.ABLATIONS:
+    assert hasattr(ablate.variant(name), "mla_decode_fp8"), name

@@ -163,7 +163,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         issue_qk(0, s_ref)
       return s_ref[...]
 
-    def step_fn(step, carry):
+    def step_fn(step, carry, *, masked: bool):
+      """One page. Logits stay in units of ``t = S * scale_k`` (the true logit, in the exp2
+      domain, is ``q_scale * t`` with ``q_scale > 0``), so the running max ``m`` is in those
+      units too and ``p = exp2(t * q_scale - m * q_scale)`` is one multiply and one FMA per
+      element. ``masked``: the page holds tokens some row may not see (the last pages)."""
       s, m_i, l_i, sigma_i = carry
       slot = lax.rem(step, num_stages)
       buf = lax.rem(step, P_BUFFERS)
@@ -178,17 +182,21 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
                                          s.shape, [1])
           plgpu.barrier_arrive(kv_free.at[slot])  # QK and scales of this page are done
-          visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
-                                              heads=heads, causal=causal)
-          s_true = jnp.where(visible, s * common.row_broadcast(q_scale, s.shape) * k_scale,
-                             -jnp.inf)
-          m_new = jnp.maximum(m_i, s_true.max(axis=1))
-          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          alpha = jnp.exp2(m_i - m_use)
-          p = jnp.exp2(s_true - common.row_broadcast(m_use, s.shape))
+          t = s * k_scale
+          if masked:
+            visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
+                                                heads=heads, causal=causal)
+            t = jnp.where(visible, t, -jnp.inf)
+          m_new = jnp.maximum(m_i, t.max(axis=1))
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+          alpha = jnp.exp2((m_i - m_use) * q_scale)
+          p = jnp.exp2(t * common.row_broadcast(q_scale, s.shape)
+                       - common.row_broadcast(m_use * q_scale, s.shape))
           l_new = l_i * alpha + p.sum(axis=1)
         with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
-          p_fused = jnp.where(visible, p * k_scale, 0.0)
+          p_fused = p * k_scale
+          if masked:
+            p_fused = jnp.where(visible, p_fused, 0.0)
           p_max = p_fused.max(axis=1)
           sigma = jnp.where(p_max > 0,
                             jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
@@ -209,10 +217,16 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return pl.run_scoped(softmax_under_next_qk,
                            plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
 
+    # Pages every row sees in full skip the masks; a conservative count (a causal s_q > 1
+    # query sees at least seq_len - s_q + 1 tokens).
+    visible_to_all = seq_len - (s_q - 1 if causal else 0)
+    num_full = jnp.clip(visible_to_all // PAGE_SIZE - first_page, 0, num_steps)
     s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
     carry = (s0, common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
              common.zero_rows(QUERY_TILE, 1.0))
-    _, m_i, l_i, sigma_i = lax.fori_loop(0, num_steps, step_fn, carry)
+    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
+    _, m_i, l_i, sigma_i = lax.fori_loop(num_full, num_steps,
+                                         functools.partial(step_fn, masked=True), carry)
     seen = l_i > 0
     buf = lax.rem(num_steps, P_BUFFERS)
 
@@ -221,8 +235,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.barrier_wait(p_free.at[buf])
     # The last "step": the P V warpgroups normalize with this factor.
     factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
-    lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * common.LN2,
-                              -jnp.inf)
+    lse_smem[...] = jnp.where(
+        seen, (m_i * q_scale + jnp.log2(jnp.where(seen, l_i, 1.0))) * common.LN2, -jnp.inf)
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready.at[buf])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
