@@ -359,7 +359,9 @@ def main(argv=None):
   parser.add_argument("--train-steps", type=int, help="default: 2000, --tiny 30")
   parser.add_argument("--train-minutes", type=float, default=7.0,
                       help="stop training early after this long (a 10-minute device call)")
-  parser.add_argument("--window", type=int, help="prefill + decode bytes (default: the model's)")
+  parser.add_argument("--window", type=int,
+                      help="prefill + decode bytes (default: the model's; also its training window)")
+  parser.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base, if training")
   parser.add_argument("--decode", type=int, default=256)
   parser.add_argument("--sequences", type=int, default=4)
   parser.add_argument("--out", required=True, help="directory for metrics.json, results.md, PNGs")
@@ -377,7 +379,7 @@ def main(argv=None):
   elif args.checkpoint and (pathlib.Path(args.checkpoint) / "config.json").exists():
     model = load_pretrained(args.checkpoint)
   elif args.checkpoint:
-    cfg = trainer.byte_model_config()
+    cfg = trainer.byte_model_config(window=args.window or 4096, rope_theta=args.rope_theta)
     model, _ = trainer.train(cfg, train_bytes, steps=args.train_steps or 2000, batch=8,
                              window=cfg.max_position_embeddings,
                              max_seconds=60 * args.train_minutes)
