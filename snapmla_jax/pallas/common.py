@@ -206,6 +206,14 @@ def visible_token_mask(first_token, seq_len, row_tile, *, s_q: int, heads: int, 
   return tokens <= last
 
 
+def num_full_pages(seq_len, first_page, num_steps, *, s_q: int, causal: bool):
+  """How many of a CTA's pages, from its first, every row sees in full: their steps can
+  skip ``visible_token_mask``. Conservative: a causal query of ``s_q > 1`` sees at least
+  ``seq_len - s_q + 1`` tokens."""
+  visible_to_all = seq_len - (s_q - 1 if causal else 0)
+  return jnp.clip(visible_to_all // PAGE_SIZE - first_page, 0, num_steps)
+
+
 def row_broadcast(v, shape):
   """``[rows]`` -> ``[rows, cols]``, each row repeating its value."""
   return lax.broadcast_in_dim(v, shape, [0])

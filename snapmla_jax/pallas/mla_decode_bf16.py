@@ -95,7 +95,8 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
 
-    def step_fn(step, carry):
+    def step_fn(step, carry, *, masked: bool):
+      """One page; ``masked``: it holds tokens some row may not see (the last pages)."""
       acc, m_i, l_i = carry
       slot = lax.rem(step, num_stages)
       first_token = (first_page + step) * PAGE_SIZE
@@ -107,16 +108,19 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
         return s_ref[...]
       with jax.named_scope("qk"):
         s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-      visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
-                                          heads=heads, causal=causal)
-      s = jnp.where(visible, s * scale_log2, -jnp.inf)
+      s = s * scale_log2
+      if masked:
+        visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
+                                            heads=heads, causal=causal)
+        s = jnp.where(visible, s, -jnp.inf)
       m_new = jnp.maximum(m_i, s.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
       alpha = jnp.exp2(m_i - m_use)
       p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))
       l_i = l_i * alpha + p.sum(axis=1)
 
-      zero_tail(slot, first_token)
+      if masked:
+        zero_tail(slot, first_token)
 
       @pl.when(step > 0)
       @jax.named_scope("wait_p_free")
@@ -134,7 +138,10 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
 
     carry = (common.zero_acc((QUERY_TILE, HALF_DIM)), common.zero_rows(QUERY_TILE, -jnp.inf),
              common.zero_rows(QUERY_TILE))
-    acc, m_i, l_i = lax.fori_loop(0, num_steps, step_fn, carry)
+    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
+    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(num_full, num_steps, functools.partial(step_fn, masked=True),
+                                  carry)
     inv_l = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
 
     @pl.when(num_steps > 0)

@@ -217,10 +217,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return pl.run_scoped(softmax_under_next_qk,
                            plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
 
-    # Pages every row sees in full skip the masks; a conservative count (a causal s_q > 1
-    # query sees at least seq_len - s_q + 1 tokens).
-    visible_to_all = seq_len - (s_q - 1 if causal else 0)
-    num_full = jnp.clip(visible_to_all // PAGE_SIZE - first_page, 0, num_steps)
+    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
     s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
     carry = (s0, common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
              common.zero_rows(QUERY_TILE, 1.0))
