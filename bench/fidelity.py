@@ -154,14 +154,16 @@ CONFIGS = (
                 "RoPE BF16", attend_c),
     CacheConfig("D", "per-block FP8 content (64 tokens x 128 channels), RoPE BF16", attend_d),
 )
+"""The paper's table 3, with ours split into its cache and its whole pipeline. A-D attend
+with an unquantized f32 query; B's and C's scales come from the whole window (an oracle
+calibration, in their favour)."""
+
 KERNELS = (
     CacheConfig("BF16-kernel", "the BF16 cache on the Hopper BF16 decode kernel (bf16 Q and P)",
                 _kernel("bf16")),
     CacheConfig("Ours-kernel", "Ours on the Hopper FP8 decode kernel", _kernel("fp8")),
 )
 """On Hopper (``mla_decode(impl="pallas")``, one sequence per decode query)."""
-# A-D attend with an unquantized f32 query; B's and C's scales come from the whole window
-# (an oracle calibration, in their favour).
 
 
 # ----------------------------------------------------------------------------- model passes
