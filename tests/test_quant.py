@@ -133,3 +133,22 @@ def test_alternative_granularities_round_trip():
     assert np.all(np.abs(np.asarray(back) - ref) <= bound * 1.0001), name
   with pytest.raises(ValueError, match="must tile"):
     quant.quantize_per_block(x[:, :100])
+
+
+@pytest.mark.gpu
+def test_gpu_quantization_and_append_are_bit_identical_to_cpu():
+  """The data path (Q-quant, K-append with its paged scatter) compiled for the GPU gives
+  the bits the CPU gives: XLA's GPU fusions keep the f32 multiply-by-reciprocal."""
+  import jax
+  from snapmla_jax.cache import PagedLatentCache
+  ckv, k_rope = _latents(5, tokens=300)
+  slots = jnp.asarray(np.random.default_rng(5).permutation(8 * 64)[:300], jnp.int32)
+
+  def data_path(ckv, k_rope, slots):
+    cache = PagedLatentCache.create(8, kind="fp8").append(ckv, k_rope, slots)
+    q = quant.quantize_query(ckv.reshape(3, 1, 100, 512), k_rope.reshape(3, 1, 100, 64))
+    return (cache.content, cache.scale, cache.rope, *q)
+
+  on = lambda device: jax.jit(data_path)(*jax.device_put((ckv, k_rope, slots), device))
+  for gpu, cpu in zip(on(jax.devices("gpu")[0]), on(jax.devices("cpu")[0])):
+    np.testing.assert_array_equal(np.asarray(gpu).view(np.uint8), np.asarray(cpu).view(np.uint8))
