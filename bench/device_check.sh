@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 status=0
 case $what in
   tests|all)
-    args=("$@"); [[ ${#args[@]} -eq 0 || $what == all ]] && args=(tests/test_pallas_*.py)
+    args=("$@"); [[ ${#args[@]} -eq 0 || $what == all ]] && args=(tests/test_pallas_*.py tests/test_quant.py)
     python3 -m pytest -q -m gpu -rA -s -p no:cacheprovider --timeout 300 "${args[@]}" 2>&1 \
       | tee "$OUT/tests.log" | grep -E "rel_l2|PASS|FAIL|ERROR|passed|failed|error" | tail -60
     status=${PIPESTATUS[0]}
