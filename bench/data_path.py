@@ -1,4 +1,4 @@
-"""The fused data path (paper section 3.3.1) as XLA fusions: one kernel each, at what bandwidth?
+"""The fused data path (paper section 3.3.1): one kernel each, at what bandwidth?
 
 Q-quant (``quant.quantize_query``), K-append (``PagedLatentCache.append``: quantize +
 pre-scale + paged scatter) and fetch-dequant (``PagedLatentCache.fetch_dequant``) are
@@ -7,7 +7,8 @@ entry computation's instructions other than parameters, tuples, bitcasts and
 constants: on a GPU, one launch each), the median time, the bytes it must move (inputs
 read + outputs written) and GB/s against the H200's HBM.
 
-K-append updates the cache in place: a jitted loop of ``APPENDS`` appends to disjoint
+K-append also runs as the fused Mosaic GPU kernel (``impl="pallas"``, one launch) on a
+GPU. It updates the cache in place: a jitted loop of ``APPENDS`` appends to disjoint
 slots with the cache donated, timed on the wall clock (one launch per loop; device
 events elsewhere, ``bench.kernel.measure``).
 
@@ -17,6 +18,7 @@ events elsewhere, ``bench.kernel.measure``).
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import statistics
 import time
@@ -75,9 +77,10 @@ def fetch_dequant(batch: int, context: int):
           (cache, table, lens), tokens * 644 + tokens * 576 * 2)
 
 
-def k_append_row(tokens: int) -> dict:
+def k_append_row(tokens: int, impl: str = "xla") -> dict:
   """``APPENDS`` appends of ``tokens`` tokens each (a decode step of that batch, or a
-  prefill chunk) into a cache of exactly that many slots, in one jitted loop."""
+  prefill chunk) into a cache of exactly that many slots, in one jitted loop; ``impl``
+  as ``PagedLatentCache.append`` takes it."""
   pages = APPENDS * tokens // 64
   cache = PagedLatentCache.create(pages, kind="fp8")
   key = jax.random.key(2)
@@ -87,10 +90,11 @@ def k_append_row(tokens: int) -> dict:
   slots = slots.astype(jnp.int32).reshape(APPENDS, tokens)
 
   def appends(cache, ckv, k_rope, slots):
-    return jax.lax.fori_loop(0, APPENDS, lambda i, c: c.append(ckv, k_rope, slots[i]), cache)
+    return jax.lax.fori_loop(
+        0, APPENDS, lambda i, c: c.append(ckv, k_rope, slots[i], impl=impl), cache)
 
   loop = jax.jit(appends, donate_argnums=0)
-  single = jax.jit(PagedLatentCache.append, donate_argnums=0)
+  single = jax.jit(functools.partial(PagedLatentCache.append, impl=impl), donate_argnums=0)
   kernels = entry_kernels(single.lower(cache, ckv, k_rope, slots[0]).compile().as_text())
   cache = loop(cache, ckv, k_rope, slots)
   jax.block_until_ready(cache)
@@ -100,7 +104,7 @@ def k_append_row(tokens: int) -> dict:
     cache = loop(cache, ckv, k_rope, slots)
     jax.block_until_ready(cache)
     times.append((time.perf_counter() - start) / APPENDS)
-  return _row(f"K-append {tokens} tokens", kernels, statistics.median(times),
+  return _row(f"K-append ({impl}) {tokens} tokens", kernels, statistics.median(times),
               tokens * (576 * 2 + 4) + tokens * 644)
 
 
@@ -123,7 +127,8 @@ def main(argv=None):
   for name, f, args_, nbytes in pure:
     kernels = entry_kernels(jax.jit(f).lower(*args_).compile().as_text())
     rows.append(_row(name, kernels, _median_time(f, *args_), nbytes))
-  rows += [k_append_row(tokens) for tokens in appends]
+  impls = ["xla"] + (["pallas"] if jax.default_backend() == "gpu" else [])
+  rows += [k_append_row(tokens, impl) for tokens in appends for impl in impls]
   lines = [f"device: {jax.devices()[0].device_kind}", "",
            "| op | kernels | HLO ops | time (us) | GB/s | % of HBM peak |",
            "|---|---|---|---|---|---|"]

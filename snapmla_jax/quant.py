@@ -49,12 +49,19 @@ def to_e4m3(x: jax.Array) -> jax.Array:
   return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(FP8)
 
 
-def _quantize_token(content: jax.Array, rope: jax.Array):
+def quantize_tokens(content: jax.Array, rope: jax.Array):
+  """``quantize_latent`` / ``quantize_query`` without their checks: ``content [..., C]``,
+  ``rope [..., R]`` -> ``(e4m3 [..., C], scale f32 [...], bf16 [..., R])``.
+
+  Written with ops the Mosaic GPU kernels lower too (``pallas.append`` calls it on a tile):
+  a non-finite value is caught by ``x * 0`` turning NaN in a sum, which needs neither
+  ``is_finite`` nor a NaN-propagating max.
+  """
   content = content.astype(jnp.float32)
   rope = rope.astype(jnp.float32)
-  scale = _absmax_scale(content, axis=-1)
-  rope_finite = jnp.all(jnp.isfinite(rope), axis=-1)
-  scale = jnp.where(rope_finite, scale, jnp.nan)
+  amax = jnp.max(jnp.abs(content), axis=-1)
+  finite = (jnp.sum(content * 0.0, axis=-1) + jnp.sum(rope * 0.0, axis=-1)) == 0.0
+  scale = jnp.where(finite, jnp.maximum(amax * INV_E4M3_MAX, SCALE_EPS), jnp.nan)
   # Multiplying by the reciprocal is what kernels do (and what XLA rewrites a
   # division by a broadcast scale into): one well-defined rounding everywhere.
   inv_scale = (1.0 / scale)[..., None]
@@ -86,7 +93,7 @@ def quantize_latent(ckv: jax.Array, k_rope: jax.Array):
     rope ``bfloat16 [..., 64]`` = k_rope * (1 / scale).
   """
   _check_pair("ckv", ckv, "k_rope", k_rope)
-  return _quantize_token(ckv, k_rope)
+  return quantize_tokens(ckv, k_rope)
 
 
 def dequantize_latent(content: jax.Array, scale: jax.Array, rope: jax.Array,
@@ -110,7 +117,7 @@ def quantize_query(q_nope: jax.Array, q_rope: jax.Array):
     the RoPE part divided by the (token, head) scale.
   """
   _check_pair("q_nope", q_nope, "q_rope", q_rope)
-  return _quantize_token(q_nope, q_rope)
+  return quantize_tokens(q_nope, q_rope)
 
 
 def dequantize_query(content, scale, rope, dtype=jnp.float32):

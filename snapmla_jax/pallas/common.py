@@ -73,7 +73,7 @@ def check_platform(interpret: bool) -> None:
   capability = getattr(device, "compute_capability", None)
   if device.platform != "gpu" or capability is None or not str(capability).startswith("9"):
     raise NotImplementedError(
-        "the Pallas MLA decode kernels need a Hopper (sm_90) CUDA GPU, got "
+        "the Pallas kernels need a Hopper (sm_90) CUDA GPU, got "
         f"{device.platform}:{getattr(device, 'device_kind', device)}; "
         "use impl='xla' or interpret=True")
 

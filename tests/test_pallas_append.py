@@ -1,0 +1,93 @@
+"""The fused K-append kernel (``snapmla_jax.pallas.append``): bit for bit the XLA append.
+
+Tiers: GPU interpret mode on CPU, CUDA lowering on CPU, ``gpu``-marked tests on the H200.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from snapmla_jax.cache import PagedLatentCache
+from snapmla_jax.pallas.append import _append
+
+PAGES = 6
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+  yield
+
+
+def _tokens(seed, num_tokens, dtype):
+  rng = np.random.default_rng(seed)
+  amp = np.exp(rng.uniform(-4, 4, (num_tokens, 1)))
+  ckv = rng.standard_normal((num_tokens, 512)) * amp
+  k_rope = 10 * rng.standard_normal((num_tokens, 64)) * amp
+  ckv[3, 7] = np.inf          # a non-finite token: NaN scale, NaN content
+  k_rope[5, 0] = np.nan       # NaN in the RoPE part poisons its token too
+  ckv[8] = 0.0                # an all-zero token: epsilon scale, zero content
+  k_rope[8] = 0.0
+  slots = rng.permutation(PAGES * 64)[:num_tokens].astype(np.int32)
+  slots[[1, 10]] = -1         # padding
+  return jnp.asarray(ckv, dtype), jnp.asarray(k_rope, dtype), jnp.asarray(slots)
+
+
+def _bits(cache):
+  return [np.asarray(a).view(np.uint8) for a in (cache.content, cache.scale, cache.rope)]
+
+
+def _assert_same_cache(got, want):
+  for g, w in zip(_bits(got), _bits(want)):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_tokens, dtype", [(100, jnp.bfloat16), (64, jnp.float32)])
+def test_interpret_matches_xla_append_bit_for_bit(num_tokens, dtype):
+  cache = PagedLatentCache.create(PAGES, kind="fp8", fill=np.nan)
+  ckv, k_rope, slots = _tokens(num_tokens, num_tokens, dtype)
+  want = cache.append(ckv, k_rope, slots)
+  append = jax.jit(lambda c, *a: c.append(*a, impl="pallas", interpret=True), donate_argnums=0)
+  got = append(cache, ckv, k_rope, slots)
+  _assert_same_cache(got, want)
+
+
+def test_lowers_for_cuda_at_decode_and_prefill_sizes():
+  cache = jax.eval_shape(lambda: PagedLatentCache.create(4096, kind="fp8"))
+  for tokens in (128, 4096):
+    args = (jax.ShapeDtypeStruct((tokens, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((tokens, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    f = lambda c, s, r, *a: _append(c, s, r, *a, interpret=False)
+    lowered = jax.jit(f, donate_argnums=(0, 1, 2)).trace(
+        cache.content, cache.scale, cache.rope, *args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_rejects_a_bf16_cache_and_unknown_impls():
+  cache = PagedLatentCache.create(PAGES, kind="bf16")
+  ckv, k_rope, slots = _tokens(0, 16, jnp.float32)
+  with pytest.raises(ValueError, match="appends to an fp8 cache"):
+    cache.append(ckv, k_rope, slots, impl="pallas")
+  with pytest.raises(ValueError, match="impl must be"):
+    cache.append(ckv, k_rope, slots, impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, dtype", [(100, jnp.bfloat16), (4096 - 64 * 3, jnp.float32)])
+def test_gpu_matches_xla_append_bit_for_bit(num_tokens, dtype):
+  cache = PagedLatentCache.create(PAGES * 64, kind="fp8", fill=np.nan)
+  rng = np.random.default_rng(num_tokens)
+  ckv, k_rope, _ = _tokens(num_tokens, num_tokens, dtype)
+  slots = jnp.asarray(rng.permutation(cache.num_pages * 64)[:num_tokens].astype(np.int32))
+  want = jax.jit(PagedLatentCache.append)(cache, ckv, k_rope, slots)
+  got = jax.jit(lambda c, *a: c.append(*a, impl="pallas"))(cache, ckv, k_rope, slots)
+  for g, w in zip((got.content, got.scale, got.rope), (want.content, want.scale, want.rope)):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
