@@ -76,6 +76,25 @@ def test_interpret_two_row_tiles_not_causal():
   run_and_check(case, s_q=2, causal=False, interpret=True)
 
 
+def check_non_finite_token_poisons_its_sequence(interpret):
+  """An inf inside sequence 0 (token 67 of 130) makes all its rows NaN; sequence 1 stays
+  finite."""
+  case = make_case(12, [130, 90], heads=16, kinds=("bf16",))
+  slot = jnp.asarray([int(case.block_table[0, 1]) * 64 + 3], jnp.int32)
+  cache = case.caches["bf16"].append(jnp.full((1, 512), jnp.inf), jnp.zeros((1, 64)), slot)
+  out, _ = mla_decode_bf16(case.q_nope.astype(jnp.bfloat16), case.q_rope.astype(jnp.bfloat16),
+                           cache.latent, case.block_table, case.seq_lens, softmax_scale=SCALE,
+                           interpret=interpret)
+  assert np.isnan(np.asarray(out[0], np.float32)).all()
+  assert np.isfinite(np.asarray(out[1], np.float32)).all()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf * 0 in the wgmma
+def test_interpret_non_finite_token_poisons_its_sequence():
+  check_non_finite_token_poisons_its_sequence(interpret=True)
+
+
 # ---------------------------------------------------------------------------------------
 # Tier 2: CUDA lowering on CPU at production shapes.
 
@@ -157,3 +176,8 @@ def test_gpu_deterministic():
   b = mla_decode_bf16(*args, softmax_scale=SCALE)
   np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
   np.testing.assert_array_equal(np.asarray(a[1]), np.asarray(b[1]))
+
+
+@pytest.mark.gpu
+def test_gpu_non_finite_token_poisons_its_sequence():
+  check_non_finite_token_poisons_its_sequence(interpret=False)

@@ -92,6 +92,26 @@ def test_interpret_two_row_tiles_not_causal_zero_tokens():
   run_and_check(case, s_q=2, causal=False, interpret=True)
 
 
+def check_non_finite_token_poisons_its_sequence(pv, interpret):
+  """An inf inside sequence 0 (token 67 of 130) makes all its rows NaN, never a silent
+  value; sequence 1 stays finite. The cache's NaN-poisoned free slots stay out."""
+  case = make_case(12, [130, 90], heads=16, kinds=("fp8",))
+  slot = jnp.asarray([int(case.block_table[0, 1]) * 64 + 3], jnp.int32)
+  cache = case.caches["fp8"].append(jnp.full((1, 512), jnp.inf), jnp.zeros((1, 64)), slot)
+  q_content, q_scale, q_rope = quant.quantize_query(case.q_nope, case.q_rope)
+  out, _ = mla_decode_fp8(q_content, q_scale, q_rope, cache.content, cache.scale, cache.rope,
+                          case.block_table, case.seq_lens, softmax_scale=SCALE, pv=pv,
+                          interpret=interpret)
+  assert np.isnan(np.asarray(out[0], np.float32)).all()
+  assert np.isfinite(np.asarray(out[1], np.float32)).all()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf * 0 in the wgmma
+def test_interpret_non_finite_token_poisons_its_sequence():
+  check_non_finite_token_poisons_its_sequence("f16", interpret=True)
+
+
 # ---------------------------------------------------------------------------------------
 # Tier 2: CUDA lowering on CPU at production shapes.
 
@@ -164,3 +184,9 @@ def test_gpu_splits(splits, stages, pv):
 def test_gpu_not_causal(pv):
   case = make_case(8, [300, 64], s_q=2, heads=16, kinds=("fp8",), zero_tokens=100)
   run_and_check(case, s_q=2, causal=False, pv=pv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
+def test_gpu_non_finite_token_poisons_its_sequence(pv):
+  check_non_finite_token_poisons_its_sequence(pv, interpret=False)

@@ -52,6 +52,13 @@ def _fetch_pages(num_steps, num_stages: int, kv_free, issue_copies) -> None:
 
     issue_copies(step, slot)
 
+  # Observe the releases of the last pages too (every phase of a barrier it waits on is
+  # waited: free on hardware, required by the interpreter).
+  for back in range(num_stages, 0, -1):
+    @pl.when(num_steps - back >= 0)
+    def _():
+      plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
+
 
 def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
             out_ref, lse_ref,                                 # outputs (GMEM)
