@@ -358,7 +358,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--checkpoint", help="checkpoint directory (trained and saved if absent)")
   parser.add_argument("--tiny", action="store_true", help="a tiny CPU configuration (smoke test)")
-  parser.add_argument("--train-steps", type=int, help="default: 2000, --tiny 30")
+  parser.add_argument("--train-steps", type=int, help="default: 1000 (about 7 min on an H200, estimated), --tiny 30")
   parser.add_argument("--train-minutes", type=float, default=7.0,
                       help="stop training early after this long (a 10-minute device call)")
   parser.add_argument("--window", type=int,
@@ -382,7 +382,7 @@ def main(argv=None):
     model = load_pretrained(args.checkpoint)
   elif args.checkpoint:
     cfg = trainer.byte_model_config(window=args.window or 4096, rope_theta=args.rope_theta)
-    model, _ = trainer.train(cfg, train_bytes, steps=args.train_steps or 2000, batch=8,
+    model, _ = trainer.train(cfg, train_bytes, steps=args.train_steps or 1000, batch=8,
                              window=cfg.max_position_embeddings,
                              max_seconds=60 * args.train_minutes)
     save_pretrained(model, args.checkpoint)
