@@ -358,7 +358,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--checkpoint", help="checkpoint directory (trained and saved if absent)")
   parser.add_argument("--tiny", action="store_true", help="a tiny CPU configuration (smoke test)")
-  parser.add_argument("--train-steps", type=int, help="default: 1000 (about 7 min on an H200, estimated), --tiny 30")
+  parser.add_argument("--train-steps", type=int,
+                      help="default: 1000 (about 7 min on an H200, estimated), --tiny 30")
   parser.add_argument("--train-minutes", type=float, default=7.0,
                       help="stop training early after this long (a 10-minute device call)")
   parser.add_argument("--window", type=int,
