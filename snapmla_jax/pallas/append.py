@@ -32,14 +32,15 @@ TOKENS = 64
 
 def _kernel(slots_ref, ckv_ref, rope_ref,                      # inputs (GMEM)
             content_ref, scale_ref, rope_out_ref,              # the cache, in place
-            ckv_smem, rope_smem, content_smem, rope_q_smem, scale_smem, bars,
+            ckv_smem, rope_smem, slots_smem, content_smem, rope_q_smem, scale_smem, bars,
             *, page_size: int):
   first = lax.axis_index("block") * TOKENS
   num_slots = content_ref.shape[0] * page_size
-  plgpu.copy_gmem_to_smem(ckv_ref.at[pl.ds(first, TOKENS)], ckv_smem, bars.at[0])
-  plgpu.copy_gmem_to_smem(rope_ref.at[pl.ds(first, TOKENS)], rope_smem, bars.at[1])
-  plgpu.barrier_wait(bars.at[0])
-  plgpu.barrier_wait(bars.at[1])
+  for i, (src, dst) in enumerate(((ckv_ref, ckv_smem), (rope_ref, rope_smem),
+                                  (slots_ref, slots_smem))):
+    plgpu.copy_gmem_to_smem(src.at[pl.ds(first, TOKENS)], dst, bars.at[i])
+  for i in range(3):
+    plgpu.barrier_wait(bars.at[i])
   content, scale, rope = quant.quantize_tokens(
       plgpu.load(ckv_smem, layout=plgpu.Layout.WGMMA),
       plgpu.load(rope_smem, layout=plgpu.Layout.WGMMA))
@@ -48,7 +49,7 @@ def _kernel(slots_ref, ckv_ref, rope_ref,                      # inputs (GMEM)
   scale_smem[...] = scale
   plgpu.commit_smem()
   for row in range(TOKENS):
-    slot = slots_ref[first + row]
+    slot = slots_smem[row]  # from SMEM: 64 dependent GMEM loads would serialize
 
     @pl.when((slot >= 0) & (slot < num_slots))  # as the XLA path, drop what is outside
     def _():
@@ -102,10 +103,11 @@ def _append(content, scale, rope, ckv, k_rope, slots, *, interpret: bool):
       scratch_types=[
           common.smem((TOKENS, common.CONTENT_DIM), ckv.dtype),
           common.smem((TOKENS, common.ROPE_DIM), ckv.dtype),
+          plgpu.SMEM((TOKENS,), jnp.int32),
           plgpu.SMEM((TOKENS, common.CONTENT_DIM), quant.FP8),   # rows TMA'd one by one
           plgpu.SMEM((TOKENS, common.ROPE_DIM), jnp.bfloat16),
           plgpu.SMEM((TOKENS,), jnp.float32),
-          plgpu.Barrier(num_barriers=2),
+          plgpu.Barrier(num_barriers=3),
       ],
       interpret=common.interpret_params(interpret),  # exact math: 1 / scale as XLA does it
   )(slots, ckv, k_rope, *cache)
