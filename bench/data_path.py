@@ -7,8 +7,8 @@ entry computation's instructions other than parameters, tuples, bitcasts and
 constants: on a GPU, one launch each), the median time, the bytes it must move (inputs
 read + outputs written) and GB/s against the H200's HBM.
 
-K-append also runs as the fused Mosaic GPU kernel (``impl="pallas"``, one launch) on a
-GPU. It updates the cache in place: a jitted loop of ``APPENDS`` appends to disjoint
+Q-quant and K-append also run as the fused Mosaic GPU kernels of ``pallas.tokens`` (one
+launch each) on a GPU. K-append updates the cache in place: a jitted loop of ``APPENDS`` appends to disjoint
 slots with the cache donated, timed on the wall clock (one launch per loop; device
 events elsewhere, ``bench.kernel.measure``).
 
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from snapmla_jax import quant
 from snapmla_jax.cache import PagedLatentCache
+from snapmla_jax.pallas import tokens
 
 HBM = 4.8e12
 APPENDS = 64
@@ -57,12 +58,13 @@ def _median_time(f, *args) -> float:
   return statistics.median(times)
 
 
-def q_quant(batch: int, heads: int):
+def q_quant(batch: int, heads: int, impl: str = "xla"):
   key = jax.random.key(0)
   q_nope = jax.random.normal(key, (batch, 1, heads, 512), jnp.bfloat16)
   q_rope = jax.random.normal(jax.random.fold_in(key, 1), (batch, 1, heads, 64), jnp.bfloat16)
   rows = batch * heads
-  return (f"Q-quant b{batch} h{heads}", quant.quantize_query, (q_nope, q_rope),
+  f = quant.quantize_query if impl == "xla" else tokens.quantize_query_fp8
+  return (f"Q-quant ({impl}) b{batch} h{heads}", f, (q_nope, q_rope),
           rows * 576 * 2 + rows * (512 + 4 + 64 * 2))
 
 
@@ -121,7 +123,8 @@ def main(argv=None):
   if args.small:
     pure, appends = [q_quant(4, 16), fetch_dequant(2, 1024)], [128]
   else:
-    pure = [q_quant(128, 128), q_quant(32, 16), fetch_dequant(8, 16384), fetch_dequant(1, 131072)]
+    pure = [q_quant(128, 128), q_quant(128, 128, "pallas"), q_quant(32, 16),
+            q_quant(32, 16, "pallas"), fetch_dequant(8, 16384), fetch_dequant(1, 131072)]
     appends = [128, 16384]
   rows = []
   for name, f, args_, nbytes in pure:

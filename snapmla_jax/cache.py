@@ -15,7 +15,7 @@ Two kinds, one class:
 
 ``append`` is one jitted op (quantize, pre-scale, scatter); donate the cache to
 update it in place: ``jax.jit(PagedLatentCache.append, donate_argnums=0)``. On an FP8
-cache, ``impl="pallas"`` does it in one Mosaic GPU launch (``pallas.append``).
+cache, ``impl="pallas"`` does it in one Mosaic GPU launch (``pallas.tokens``).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class PagedLatentCache:
     if impl == "pallas":
       if self.kind != "fp8":
         raise ValueError(f"impl='pallas' appends to an fp8 cache, got {self.kind=!r}")
-      from snapmla_jax.pallas.append import append_fp8
+      from snapmla_jax.pallas.tokens import append_fp8
       dtype = jnp.promote_types(ckv.dtype, k_rope.dtype)
       content, scale, rope = append_fp8(self.content, self.scale, self.rope,
                                         ckv.astype(dtype), k_rope.astype(dtype), slots,

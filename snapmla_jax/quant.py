@@ -53,7 +53,7 @@ def quantize_tokens(content: jax.Array, rope: jax.Array):
   """``quantize_latent`` / ``quantize_query`` without their checks: ``content [..., C]``,
   ``rope [..., R]`` -> ``(e4m3 [..., C], scale f32 [...], bf16 [..., R])``.
 
-  Written with ops the Mosaic GPU kernels lower too (``pallas.append`` calls it on a tile):
+  Written with ops the Mosaic GPU kernels lower too (``pallas.tokens`` calls it on a tile):
   a non-finite value is caught by ``x * 0`` turning NaN in a sum, which needs neither
   ``is_finite`` nor a NaN-propagating max.
   """

@@ -1,4 +1,4 @@
-"""The fused K-append kernel (``snapmla_jax.pallas.append``): bit for bit the XLA append.
+"""Fused-Q-Quant and Fused-K-Append (``snapmla_jax.pallas.tokens``): bit for bit the XLA path.
 
 Tiers: GPU interpret mode on CPU, CUDA lowering on CPU, ``gpu``-marked tests on the H200.
 """
@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from snapmla_jax import quant
 from snapmla_jax.cache import PagedLatentCache
-from snapmla_jax.pallas.append import _append
+from snapmla_jax.pallas.tokens import _append, _quantize_query, quantize_query_fp8
 
 PAGES = 6
 
@@ -57,7 +58,26 @@ def test_interpret_matches_xla_append_bit_for_bit(num_tokens, dtype):
   _assert_same_cache(got, want)
 
 
-def test_lowers_for_cuda_at_decode_and_prefill_sizes():
+def _queries(seed, batch, heads, dtype):
+  ckv, k_rope, _ = _tokens(seed, batch * 2 * heads, dtype)  # inf, NaN and zero rows
+  return ckv.reshape(batch, 2, heads, 512), k_rope.reshape(batch, 2, heads, 64)
+
+
+def _assert_same_bits(got, want):
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("batch, heads, dtype", [(3, 16, jnp.bfloat16), (2, 32, jnp.float32)])
+def test_interpret_q_quant_matches_quantize_query_bit_for_bit(batch, heads, dtype):
+  q_nope, q_rope = _queries(batch, batch, heads, dtype)  # 96 and 128 rows
+  got = quantize_query_fp8(q_nope, q_rope, interpret=True)
+  _assert_same_bits(got, quant.quantize_query(q_nope, q_rope))
+
+
+def test_both_kernels_lower_for_cuda_at_production_sizes():
   cache = jax.eval_shape(lambda: PagedLatentCache.create(4096, kind="fp8"))
   for tokens in (128, 4096):
     args = (jax.ShapeDtypeStruct((tokens, 512), jnp.bfloat16),
@@ -67,6 +87,11 @@ def test_lowers_for_cuda_at_decode_and_prefill_sizes():
     lowered = jax.jit(f, donate_argnums=(0, 1, 2)).trace(
         cache.content, cache.scale, cache.rope, *args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+  q = jax.ShapeDtypeStruct((128, 1, 128, 512), jnp.bfloat16)
+  r = jax.ShapeDtypeStruct((128, 1, 128, 64), jnp.bfloat16)
+  lowered = jax.jit(lambda q, r: _quantize_query(q, r, interpret=False)).trace(q, r).lower(
+      lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_rejects_a_bf16_cache_and_unknown_impls():
@@ -88,6 +113,18 @@ def test_gpu_matches_xla_append_bit_for_bit(num_tokens, dtype):
   want = jax.jit(PagedLatentCache.append)(cache, ckv, k_rope, slots)
   got = jax.jit(lambda c, *a: c.append(*a, impl="pallas"))(cache, ckv, k_rope, slots)
   for g, w in zip((got.content, got.scale, got.rope), (want.content, want.scale, want.rope)):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, heads, dtype", [(32, 128, jnp.bfloat16), (3, 16, jnp.float32)])
+def test_gpu_q_quant_matches_quantize_query(batch, heads, dtype):
+  q_nope, q_rope = _queries(batch, batch, heads, dtype)
+  got = jax.jit(quantize_query_fp8)(q_nope, q_rope)
+  want = jax.jit(quant.quantize_query)(q_nope, q_rope)
+  for g, w in zip(got, want):
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
     np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
