@@ -30,8 +30,19 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          '    prepare = dequantize_v if pv_impl == "f16" else (lambda *a: None)\n'),
     ],
     "no_exp": [
-        ("p = jnp.exp2(t * common.row_broadcast(q_scale, s.shape)",
-         "p = (t * common.row_broadcast(q_scale, s.shape)"),
+        # The softmax step lives in common: trace it with exp2 as the identity.
+        ("common.online_softmax_step(s * k_scale",
+         "_without_exp2(common.online_softmax_step)(s * k_scale"),
+        ('PvImpl = Literal["f16", "fp8"]\n',
+         'PvImpl = Literal["f16", "fp8"]\n\n\n'
+         'def _without_exp2(f):\n'
+         '  def traced(*args):\n'
+         '    exp2, jnp.exp2 = jnp.exp2, lambda x: x\n'
+         '    try:\n'
+         '      return f(*args)\n'
+         '    finally:\n'
+         '      jnp.exp2 = exp2\n'
+         '  return traced\n'),
     ],
     "no_p_quant": [
         ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",

@@ -214,6 +214,31 @@ def num_full_pages(seq_len, first_page, num_steps, *, s_q: int, causal: bool):
   return jnp.clip(visible_to_all // PAGE_SIZE - first_page, 0, num_steps)
 
 
+def online_softmax_step(t, m_i, l_i, scale, visible=None):
+  """One page of the online softmax, in the exp2 domain.
+
+  Args:
+    t: f32 ``[QUERY_TILE, PAGE_SIZE]`` logits in units where row r's log2-domain logit is
+      ``scale[r] * t`` (``scale > 0``), so the scale rides on one FMA per element.
+    m_i, l_i: ``[QUERY_TILE]`` the running max (in ``t``'s units) and sum of exponentials.
+    scale: ``[QUERY_TILE]`` row scales, or a Python float for every row.
+    visible: bool ``[QUERY_TILE, PAGE_SIZE]``, or None when every row sees every token
+      (the page then skips the masking).
+
+  Returns:
+    ``(m_new, alpha, p, l_new)``: ``alpha`` rescales what was summed before this page,
+    ``p = exp2(scale * (t - m_new))`` (0 where not visible).
+  """
+  if visible is not None:
+    t = jnp.where(visible, t, -jnp.inf)
+  m_new = jnp.maximum(m_i, t.max(axis=1))
+  m_use = m_new if visible is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  row_scale = scale if isinstance(scale, float) else row_broadcast(scale, t.shape)
+  alpha = jnp.exp2((m_i - m_use) * scale)
+  p = jnp.exp2(t * row_scale - row_broadcast(m_use * scale, t.shape))
+  return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
+
+
 def row_broadcast(v, shape):
   """``[rows]`` -> ``[rows, cols]``, each row repeating its value."""
   return lax.broadcast_in_dim(v, shape, [0])

@@ -115,16 +115,11 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
         return s_ref[...]
       with jax.named_scope("qk"):
         s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-      s = s * scale_log2
+      visible = None
       if masked:
         visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
                                             heads=heads, causal=causal)
-        s = jnp.where(visible, s, -jnp.inf)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      alpha = jnp.exp2(m_i - m_use)
-      p = jnp.exp2(s - common.row_broadcast(m_use, s.shape))
-      l_i = l_i * alpha + p.sum(axis=1)
+      m_new, alpha, p, l_i = common.online_softmax_step(s, m_i, l_i, scale_log2, visible)
 
       if masked:
         zero_tail(slot, first_token)
@@ -155,8 +150,9 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
     def _():
       plgpu.barrier_wait(p_free)
     alpha_smem[...] = inv_l                 # the last "step": wg 1 normalizes with it
-    lse_smem[...] = jnp.where(l_i > 0, (m_i + jnp.log2(jnp.where(l_i > 0, l_i, 1.0)))
-                              * common.LN2, -jnp.inf)
+    lse_smem[...] = jnp.where(  # m_i is in units of Q K^T: scale_log2 * m_i is the max
+        l_i > 0, (m_i * scale_log2 + jnp.log2(jnp.where(l_i > 0, l_i, 1.0))) * common.LN2,
+        -jnp.inf)
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready)
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])

@@ -182,17 +182,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
                                          s.shape, [1])
           plgpu.barrier_arrive(kv_free.at[slot])  # QK and scales of this page are done
-          t = s * k_scale
+          visible = None
           if masked:
             visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
                                                 heads=heads, causal=causal)
-            t = jnp.where(visible, t, -jnp.inf)
-          m_new = jnp.maximum(m_i, t.max(axis=1))
-          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-          alpha = jnp.exp2((m_i - m_use) * q_scale)
-          p = jnp.exp2(t * common.row_broadcast(q_scale, s.shape)
-                       - common.row_broadcast(m_use * q_scale, s.shape))
-          l_new = l_i * alpha + p.sum(axis=1)
+          m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,
+                                                              visible)
         with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
           p_fused = p * k_scale
           if masked:
