@@ -60,6 +60,21 @@ def make_case(seed: int, seq_lens, *, s_q: int = 1, heads: int = 16,
               jnp.asarray(ckv), jnp.asarray(k_rope), jnp.asarray(q_nope), jnp.asarray(q_rope))
 
 
+def make_poisoned_case(kind: str, *, heads: int = 16) -> tuple[Case, PagedLatentCache]:
+  """``make_case(12, [130, 90])`` and its ``kind`` cache with an inf at token 67 of
+  sequence 0: every output row of sequence 0 must be NaN, every row of sequence 1 finite."""
+  case = make_case(12, [130, 90], heads=heads, kinds=(kind,))
+  slot = jnp.asarray([int(case.block_table[0, 1]) * 64 + 3], jnp.int32)
+  cache = case.caches[kind].append(jnp.full((1, 512), jnp.inf), jnp.zeros((1, 64)), slot)
+  return case, cache
+
+
+def assert_poisoned_rows(out) -> None:
+  """The check ``make_poisoned_case`` describes, on an output ``[2, s_q, heads, dim]``."""
+  np.testing.assert_array_equal(np.isnan(np.asarray(out[0], np.float32)), True)
+  np.testing.assert_array_equal(np.isfinite(np.asarray(out[1], np.float32)), True)
+
+
 def random_pages(key: jax.Array, num_pages: int, kinds, *, kv_lora_rank: int = 512,
                  rope_dim: int = 64, rope_amp: float = 1.0) -> dict[str, PagedLatentCache]:
   """Caches of ``num_pages`` full 64-token pages of random latents, one per kind in ``kinds``

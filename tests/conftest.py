@@ -33,3 +33,11 @@ def make_queries(seed: int, batch: int, s_q: int, heads: int, rank: int = 512,
   q_nope = rng.standard_normal((batch, s_q, heads, rank)).astype(np.float32)
   q_rope = rng.standard_normal((batch, s_q, heads, rope)).astype(np.float32)
   return jnp.asarray(q_nope, dtype), jnp.asarray(q_rope, dtype)
+
+
+@pytest.fixture
+def gpu_interpreter():
+  """Mosaic GPU's interpret mode, reset before each test (its state outlives a failure)."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  interpret_pallas_call.reset_gpu_interpret_mode_state()
+  yield

@@ -20,6 +20,7 @@ import pytest
 
 from snapmla_jax import mla_decode, quant
 from snapmla_jax.reference import mla_decode_reference
+from snapmla_jax.testing import assert_poisoned_rows, make_poisoned_case
 from conftest import make_paged_batch, make_queries, rel_l2
 
 BOUND = {"bf16": 1e-2, "fp8": 7e-2}
@@ -82,14 +83,10 @@ def test_not_causal_bf16_queries_and_sentinel_block_table(kind, impl):
 
 @pytest.mark.parametrize("kind, impl", PATHS)
 def test_non_finite_token_poisons_only_the_rows_that_see_it(kind, impl):
-  batch = make_paged_batch(12, [130, 90])
-  cache = batch.caches[kind]
-  slot = jnp.asarray([int(batch.block_table[0, 1]) * 64 + 3], jnp.int32)  # token 67 of seq 0
-  cache = cache.append(jnp.full((1, 512), jnp.inf), jnp.zeros((1, 64)), slot)
+  batch, cache = make_poisoned_case(kind)
   q_nope, q_rope = make_queries(12, 2, 1, 4)
   out, _ = mla_decode(q_nope, q_rope, cache, batch.block_table, batch.seq_lens, impl=impl)
-  assert np.isnan(np.asarray(out[0])).all()
-  assert np.isfinite(np.asarray(out[1])).all()
+  assert_poisoned_rows(out)
 
 
 def test_rejects_bad_input():

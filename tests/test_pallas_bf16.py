@@ -18,8 +18,11 @@ import pytest
 
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import _decode, mla_decode_bf16
-from snapmla_jax.testing import GPU_GRID, lse_error, make_case, rel_l2
+from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
+                                 make_poisoned_case, rel_l2)
 from snapmla_jax.reference import mla_decode_reference
+
+pytestmark = pytest.mark.usefixtures("gpu_interpreter")  # conftest
 
 SCALE = 576 ** -0.5
 OUT_RTOL = 1e-2
@@ -49,13 +52,6 @@ def run_and_check(case, *, s_q, causal=True, config=None, interpret=False):
   return err, lerr
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-  yield
-
-
 # ---------------------------------------------------------------------------------------
 # Tier 1: GPU interpret mode on CPU (races detected), small shapes.
 
@@ -77,16 +73,12 @@ def test_interpret_two_row_tiles_not_causal():
 
 
 def check_non_finite_token_poisons_its_sequence(interpret):
-  """An inf inside sequence 0 (token 67 of 130) makes all its rows NaN; sequence 1 stays
-  finite."""
-  case = make_case(12, [130, 90], heads=16, kinds=("bf16",))
-  slot = jnp.asarray([int(case.block_table[0, 1]) * 64 + 3], jnp.int32)
-  cache = case.caches["bf16"].append(jnp.full((1, 512), jnp.inf), jnp.zeros((1, 64)), slot)
+  """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN."""
+  case, cache = make_poisoned_case("bf16")
   out, _ = mla_decode_bf16(case.q_nope.astype(jnp.bfloat16), case.q_rope.astype(jnp.bfloat16),
                            cache.latent, case.block_table, case.seq_lens, softmax_scale=SCALE,
                            interpret=interpret)
-  assert np.isnan(np.asarray(out[0], np.float32)).all()
-  assert np.isfinite(np.asarray(out[1], np.float32)).all()
+  assert_poisoned_rows(out)
 
 
 @pytest.mark.timeout(120)

@@ -30,8 +30,11 @@ import pytest
 from snapmla_jax import quant
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_fp8 import _decode, mla_decode_fp8
-from snapmla_jax.testing import GPU_GRID, lse_error, make_case, rel_l2
+from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
+                                 make_poisoned_case, rel_l2)
 from snapmla_jax.reference import mla_decode_reference, snapmla_emulate
+
+pytestmark = pytest.mark.usefixtures("gpu_interpreter")  # conftest
 
 SCALE = 576 ** -0.5
 EMULATE_RTOL = 1e-2
@@ -64,13 +67,6 @@ def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", interpret=Fa
   return err, lerr, ref_err
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-  yield
-
-
 # ---------------------------------------------------------------------------------------
 # Tier 1: GPU interpret mode on CPU (races detected), small shapes, pv="f16".
 
@@ -93,17 +89,14 @@ def test_interpret_two_row_tiles_not_causal_zero_tokens():
 
 
 def check_non_finite_token_poisons_its_sequence(pv, interpret):
-  """An inf inside sequence 0 (token 67 of 130) makes all its rows NaN, never a silent
-  value; sequence 1 stays finite. The cache's NaN-poisoned free slots stay out."""
-  case = make_case(12, [130, 90], heads=16, kinds=("fp8",))
-  slot = jnp.asarray([int(case.block_table[0, 1]) * 64 + 3], jnp.int32)
-  cache = case.caches["fp8"].append(jnp.full((1, 512), jnp.inf), jnp.zeros((1, 64)), slot)
+  """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
+  silent value; the cache's NaN-poisoned free slots stay out."""
+  case, cache = make_poisoned_case("fp8")
   q_content, q_scale, q_rope = quant.quantize_query(case.q_nope, case.q_rope)
   out, _ = mla_decode_fp8(q_content, q_scale, q_rope, cache.content, cache.scale, cache.rope,
                           case.block_table, case.seq_lens, softmax_scale=SCALE, pv=pv,
                           interpret=interpret)
-  assert np.isnan(np.asarray(out[0], np.float32)).all()
-  assert np.isfinite(np.asarray(out[1], np.float32)).all()
+  assert_poisoned_rows(out)
 
 
 @pytest.mark.timeout(120)

@@ -14,14 +14,9 @@ from snapmla_jax import quant
 from snapmla_jax.cache import PagedLatentCache
 from snapmla_jax.pallas.tokens import _append, _quantize_query, quantize_query_fp8
 
+pytestmark = pytest.mark.usefixtures("gpu_interpreter")  # conftest
+
 PAGES = 6
-
-
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-  interpret_pallas_call.reset_gpu_interpret_mode_state()
-  yield
 
 
 def _tokens(seed, num_tokens, dtype):
