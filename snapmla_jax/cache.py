@@ -15,7 +15,8 @@ Two kinds, one class:
 
 ``append`` is one jitted op (quantize, pre-scale, scatter); donate the cache to
 update it in place: ``jax.jit(PagedLatentCache.append, donate_argnums=0)``. On an FP8
-cache, ``impl="pallas"`` does it in one Mosaic GPU launch (``pallas.tokens``).
+cache, ``impl="pallas"`` does it in one Mosaic GPU launch (``pallas.tokens``), which
+``impl="auto"`` takes on Hopper for prefill-sized appends.
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from snapmla_jax import quant
+from snapmla_jax import platform, quant
 
 CacheKind = Literal["fp8", "bf16"]
-AppendImpl = Literal["xla", "pallas"]
+AppendImpl = Literal["auto", "xla", "pallas"]
+
+# From this many tokens on, impl="auto" appends with the fused kernel: it is one launch
+# (2x XLA at 16k tokens on the H200), but its TMA round trip makes it slower than XLA's
+# fusions for a decode step's few tokens (bench/RESULTS.md, 2026-12-06).
+FUSED_APPEND_MIN_TOKENS = 1024
 
 
 @flax.struct.dataclass
@@ -90,7 +96,7 @@ class PagedLatentCache:
     return 2 * (self.kv_lora_rank + self.rope_dim)
 
   def append(self, ckv: jax.Array, k_rope: jax.Array, slots: jax.Array, *,
-             impl: AppendImpl = "xla", interpret: bool = False) -> "PagedLatentCache":
+             impl: AppendImpl = "auto", interpret: bool = False) -> "PagedLatentCache":
     """Writes new tokens at ``slots``: quantize + pre-scale (fp8) + paged scatter.
 
     Args:
@@ -99,13 +105,18 @@ class PagedLatentCache:
       slots: ``int32 [T]``, ``page * page_size + offset``; a negative slot skips
         its token (padding).
       impl: ``"xla"``, or ``"pallas"`` for the fused one-launch kernel (FP8 caches of
-        512 + 64 dims, a Hopper GPU; the same bits).
+        512 + 64 dims, a Hopper GPU; the same bits); ``"auto"`` takes the kernel where
+        it applies for ``FUSED_APPEND_MIN_TOKENS`` tokens or more.
       interpret: with ``impl="pallas"``, Mosaic GPU's interpret mode (CPU, tests).
 
     Returns:
       The updated cache.
     """
     self._check_tokens(ckv, k_rope, slots)
+    if impl == "auto":
+      fused = (self.kind == "fp8" and self.kv_lora_rank == 512 and self.rope_dim == 64
+               and ckv.shape[0] >= FUSED_APPEND_MIN_TOKENS and platform.on_hopper())
+      impl = "pallas" if fused else "xla"
     if impl == "pallas":
       if self.kind != "fp8":
         raise ValueError(f"impl='pallas' appends to an fp8 cache, got {self.kind=!r}")
@@ -116,7 +127,7 @@ class PagedLatentCache:
                                         interpret=interpret)
       return self.replace(content=content, scale=scale, rope=rope)
     if impl != "xla":
-      raise ValueError(f'impl must be "xla" or "pallas", got {impl=!r}')
+      raise ValueError(f'impl must be "auto", "xla" or "pallas", got {impl=!r}')
     capacity = self.num_pages * self.page_size
     slots = jnp.where(slots < 0, capacity, slots)  # out of bounds -> dropped
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from snapmla_jax import quant
+from snapmla_jax import platform, quant
 from snapmla_jax.cache import PagedLatentCache, check_block_table
 from snapmla_jax.reference import attention_mask, snapmla_emulate
 
@@ -74,13 +74,8 @@ def mla_decode(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentCache,
   return out.astype(q_nope.dtype), lse
 
 
-def _on_hopper() -> bool:
-  device = jax.devices()[0]
-  return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-
-
 def _kernels_apply(cache: PagedLatentCache) -> bool:
-  return (_on_hopper() and cache.kv_lora_rank == 512 and cache.rope_dim == 64
+  return (platform.on_hopper() and cache.kv_lora_rank == 512 and cache.rope_dim == 64
           and cache.page_size == 64)
 
 
@@ -97,7 +92,8 @@ def _decode_pallas(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scal
                            cache.latent, block_table, seq_lens,
                            softmax_scale=softmax_scale, causal=causal)
   from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
-  q_content, q_scale, q_rope_scaled = quant.quantize_query(q_nope, q_rope)
+  from snapmla_jax.pallas.tokens import quantize_query_fp8
+  q_content, q_scale, q_rope_scaled = quantize_query_fp8(q_nope, q_rope.astype(q_nope.dtype))
   return mla_decode_fp8(q_content, q_scale, q_rope_scaled, cache.content, cache.scale,
                         cache.rope, block_table, seq_lens,
                         softmax_scale=softmax_scale, causal=causal)

@@ -32,6 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from snapmla_jax import platform
+
 PAGE_SIZE = 64
 """Tokens per cache page, and per pipeline step (the wgmma K of P V)."""
 QUERY_TILE = 64
@@ -69,9 +71,8 @@ def check_platform(interpret: bool) -> None:
   """Raises unless the kernels can run: an sm_90 CUDA device, or interpret mode."""
   if interpret:
     return
-  device = jax.devices()[0]
-  capability = getattr(device, "compute_capability", None)
-  if device.platform != "gpu" or capability is None or not str(capability).startswith("9"):
+  if not platform.on_hopper():
+    device = jax.devices()[0]
     raise NotImplementedError(
         "the Pallas kernels need a Hopper (sm_90) CUDA GPU, got "
         f"{device.platform}:{getattr(device, 'device_kind', device)}; "
