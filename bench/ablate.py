@@ -49,8 +49,7 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "p_q = p_fused.astype(_FP8)"),
     ],
     "no_store_p": [
-        ("p16_smem.at[buf][...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)",
-         "pass"),
+        ("p_smem[...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)", "pass"),
     ],
     "no_pv": [
         ("acc = common.accumulate_pv(acc * common.row_broadcast(factor, acc.shape),\n"

@@ -75,6 +75,60 @@ DEFAULT_STAGES = {"fp8": 3, "f16": 2}   # what fits in SMEM next to Q, V and P
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
+def dequantize_v_half(page_smem, v_smem, half: int, first_token, seq_len, masked: bool):
+  """``v_smem = f16(page[:, half])``: one half of a page's V, exactly, for ``pv="f16"``.
+
+  Args:
+    page_smem: e4m3 ``[64, 512]``, one page's content (a ring slot).
+    v_smem: f16 ``[64, 256]``.
+    masked: zero the tokens ``>= seq_len`` (the page may hold NaN there).
+  """
+  chunk = 128  # the E4M3 tile's swizzle width
+  for c in range(0, HALF_DIM, chunk):
+    tile = page_smem.at[:, pl.ds(half * HALF_DIM + c, chunk)][...].astype(jnp.float16)
+    if masked:
+      tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, chunk), 0,
+                                      layout=plgpu.Layout.WGMMA) + first_token
+      tile = jnp.where(tokens < seq_len, tile, jnp.zeros_like(tile))
+    v_smem.at[:, pl.ds(c, chunk)][...] = tile
+
+
+def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, masked: bool):
+  """``vt16_smem``: one half of a page's V^T for ``pv="fp8"``, E4M3 bytes of tokens u and
+  u + 32 interleaved (see the module docstring).
+
+  Args:
+    page16_smem: u16 ``[64, 256]`` view of one page's e4m3 content ``[64, 512]``.
+    vt16_smem: u16 ``[256, 32]`` view of the e4m3 V^T half ``[256, 64]``.
+    masked: zero the tokens ``>= seq_len`` (the page may hold NaN there).
+  """
+  shape = (64, _HALF_PAGE)  # (u16 columns of the page = pairs of latent dims, u)
+  for chunk in range(2):  # 128 latent dims = 64 u16 columns each
+    cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
+    lo_rows = plgpu.load(page16_smem.at[:_HALF_PAGE, cols].T, layout=plgpu.Layout.WGMMA)
+    hi_rows = plgpu.load(page16_smem.at[_HALF_PAGE:, cols].T, layout=plgpu.Layout.WGMMA)
+    if masked:
+      token = plgpu.broadcasted_iota(jnp.int32, shape, 1,
+                                     layout=plgpu.Layout.WGMMA) + first_token
+      lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
+      hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
+    even = (lo_rows & _U16(0xFF)) | (hi_rows << 8)       # dims 2j: (V[u, 2j], V[u+32, 2j])
+    odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))       # dims 2j + 1
+    vt16_smem.at[pl.ds(chunk * 64, 64)][...] = even
+    vt16_smem.at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
+
+
+def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
+  """``P_q`` (e4m3 ``[64, 64]``) into ``p_smem`` in the order of V's rows: f16 ``[64, 64]``
+  for ``pv="f16"``; for ``pv="fp8"`` the u16 ``[64, 32]`` view of e4m3 ``[64, 64]`` whose
+  column 2u + h holds token u + 32h, as V^T."""
+  if pv_impl == "f16":
+    p_smem[...] = p_q.astype(jnp.float16)
+  else:
+    bits = lambda x: lax.bitcast_convert_type(x, jnp.uint8).astype(_U16)
+    p_smem[...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)
+
+
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
             lens_ref,                                            # inputs (GMEM)
             out_ref, lse_ref,                                    # outputs (GMEM)
@@ -106,40 +160,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_bar(slot, which))
 
   def dequantize_v(slot, half, first_token, masked: bool):
-    """``v_smem[half] = f16(content[slot, :, half])``; ``masked``: tokens >= seq_len zeroed."""
-    chunk = 128  # the E4M3 tile's swizzle width
-    for c in range(0, HALF_DIM, chunk):
-      tile = kc_smem.at[slot, :, pl.ds(half * HALF_DIM + c, chunk)][...].astype(jnp.float16)
-      if masked:
-        tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, chunk), 0,
-                                        layout=plgpu.Layout.WGMMA) + first_token
-        tile = jnp.where(tokens < seq_len, tile, jnp.zeros_like(tile))
-      v_smem[half].at[:, pl.ds(c, chunk)][...] = tile
+    dequantize_v_half(kc_smem.at[slot], v_smem[half], half, first_token, seq_len, masked)
 
   def transpose_v(slot, half, first_token, masked: bool):
-    """``vt16_smem[half]``: the half's V^T, E4M3 bytes of tokens u, u + 32 interleaved."""
-    shape = (64, _HALF_PAGE)  # (u16 columns of the page = pairs of latent dims, u)
-    for chunk in range(2):  # 128 latent dims = 64 u16 columns each
-      cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
-      lo_rows = plgpu.load(kc16_smem.at[slot, :_HALF_PAGE, cols].T, layout=plgpu.Layout.WGMMA)
-      hi_rows = plgpu.load(kc16_smem.at[slot, _HALF_PAGE:, cols].T, layout=plgpu.Layout.WGMMA)
-      if masked:
-        token = plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                       layout=plgpu.Layout.WGMMA) + first_token
-        lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
-        hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
-      even = (lo_rows & _U16(0xFF)) | (hi_rows << 8)       # dims 2j: (V[u, 2j], V[u+32, 2j])
-      odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))       # dims 2j + 1
-      vt16_smem[half].at[pl.ds(chunk * 64, 64)][...] = even
-      vt16_smem[half].at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
+    transpose_v_half(kc16_smem.at[slot], vt16_smem[half], half, first_token, seq_len, masked)
 
   def store_p(p_q, buf):
-    """``P_q`` (e4m3 ``[64, 64]``) into P buffer ``buf`` in the order of V's rows."""
-    if pv_impl == "f16":
-      p_smem.at[buf][...] = p_q.astype(jnp.float16)
-    else:  # column 2u + h holds token u + 32h, as V^T
-      bits = lambda x: lax.bitcast_convert_type(x, jnp.uint8).astype(_U16)
-      p16_smem.at[buf][...] = bits(p_q[:, :_HALF_PAGE]) | (bits(p_q[:, _HALF_PAGE:]) << 8)
+    store_p_tile(p_q, p_smem.at[buf] if pv_impl == "f16" else p16_smem.at[buf], pv_impl)
 
   def softmax_warpgroup():
     for i, (src, dst) in enumerate(((qc_ref, qc_smem), (qs_ref, qs_smem), (qr_ref, qr_smem))):
