@@ -57,7 +57,7 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "acc = acc * common.row_broadcast(factor, acc.shape)"),
     ],
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
-        ("page = bt_ref[b, first_page + step]", "page = bt_ref[b, first_page]"),
+        ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),
     ],
     "stages2": [('DEFAULT_STAGES = {"fp8": 3, "f16": 2}', 'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],

@@ -67,14 +67,16 @@ def impls(fp8_config=None):
   try:
     from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
     from snapmla_jax import quant
-    def fp8(pv):
+    def fp8(pv, schedule="softmax_wg"):
       def f(q, r, c, bt, sl):
         qc, qs, qr = quant.quantize_query(q, r)
         return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
-                              softmax_scale=SCALE, pv=pv, config=fp8_config)
+                              softmax_scale=SCALE, pv=pv, schedule=schedule,
+                              config=fp8_config)
       return f
     out["fp8-f16"] = ("fp8", fp8("f16"))
     out["fp8-fp8"] = ("fp8", fp8("fp8"))
+    out["fp8-seesaw"] = ("fp8", fp8("fp8", "seesaw"))
   except ImportError:
     pass
   out["xla-bf16"] = ("bf16", lambda q, r, c, bt, sl: mla_decode(

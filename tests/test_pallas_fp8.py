@@ -40,14 +40,19 @@ SCALE = 576 ** -0.5
 EMULATE_RTOL = 1e-2
 EMULATE_LSE_ATOL = 2e-3
 F8 = jnp.float8_e4m3fn
+SCHEDULES = ["softmax_wg", "seesaw"]
+# The (pv, schedule) pairs that fit a Hopper's SMEM: the seesaw's f16 V buffers do not.
+GPU_ROUTES = [("f16", "softmax_wg"), ("fp8", "softmax_wg"), ("fp8", "seesaw")]
 
 
-def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", interpret=False):
+def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", schedule="softmax_wg",
+                  interpret=False):
   cache = case.caches["fp8"]
   q_content, q_scale, q_rope = quant.quantize_query(case.q_nope, case.q_rope)
   out, lse = mla_decode_fp8(q_content, q_scale, q_rope, cache.content, cache.scale, cache.rope,
                             case.block_table, case.seq_lens, softmax_scale=SCALE,
-                            causal=causal, config=config, pv=pv, interpret=interpret)
+                            causal=causal, config=config, pv=pv, schedule=schedule,
+                            interpret=interpret)
   assert out.shape == case.q_nope.shape and out.dtype == jnp.bfloat16
   assert lse.shape == (case.q_nope.shape[0], case.q_nope.shape[2], s_q)
   emu_out, emu_lse = snapmla_emulate(case.q_nope, case.q_rope, cache, case.block_table,
@@ -71,44 +76,47 @@ def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", interpret=Fa
 # Tier 1: GPU interpret mode on CPU (races detected), small shapes, pv="f16".
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("seq_lens,s_q,heads,splits,stages", [
     ([100, 3], 2, 16, None, None),  # partial pages with NaN tails, s_q = 2 causal
     ([1, 130], 2, 16, 2, None),     # seq_len 1 at s_q = 2: a row that sees nothing; empty split
     ([64, 300], 1, 48, 1, 2),       # heads off the tile size; 5 pages through a 2-slot ring
 ])
-def test_interpret(seq_lens, s_q, heads, splits, stages):
+def test_interpret(seq_lens, s_q, heads, splits, stages, schedule):
   case = make_case(0, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",))
   run_and_check(case, s_q=s_q, config=TuningConfig(num_stages=stages, num_splits=splits),
-                interpret=True)
+                schedule=schedule, interpret=True)
 
 
 @pytest.mark.timeout(120)
-def test_interpret_two_row_tiles_not_causal_zero_tokens():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_interpret_two_row_tiles_not_causal_zero_tokens(schedule):
   case = make_case(1, [70, 200], s_q=2, heads=64, kinds=("fp8",), zero_tokens=70)
-  run_and_check(case, s_q=2, causal=False, interpret=True)
+  run_and_check(case, s_q=2, causal=False, schedule=schedule, interpret=True)
 
 
-def check_non_finite_token_poisons_its_sequence(pv, interpret):
+def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""
   case, cache = make_poisoned_case("fp8")
   q_content, q_scale, q_rope = quant.quantize_query(case.q_nope, case.q_rope)
   out, _ = mla_decode_fp8(q_content, q_scale, q_rope, cache.content, cache.scale, cache.rope,
                           case.block_table, case.seq_lens, softmax_scale=SCALE, pv=pv,
-                          interpret=interpret)
+                          schedule=schedule, interpret=interpret)
   assert_poisoned_rows(out)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf * 0 in the wgmma
-def test_interpret_non_finite_token_poisons_its_sequence():
-  check_non_finite_token_poisons_its_sequence("f16", interpret=True)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_interpret_non_finite_token_poisons_its_sequence(schedule):
+  check_non_finite_token_poisons_its_sequence("f16", schedule, interpret=True)
 
 
 # ---------------------------------------------------------------------------------------
 # Tier 2: CUDA lowering on CPU at production shapes.
 
-def lower(batch, s_q, heads, context, pv, config=TuningConfig()):
+def lower(batch, s_q, heads, context, pv, schedule="softmax_wg", config=TuningConfig()):
   pages = batch * context // 64
   args = (jax.ShapeDtypeStruct((batch, s_q, heads, 512), F8),
           jax.ShapeDtypeStruct((batch, s_q, heads), jnp.float32),
@@ -119,16 +127,16 @@ def lower(batch, s_q, heads, context, pv, config=TuningConfig()):
           jax.ShapeDtypeStruct((batch, context // 64), jnp.int32),
           jax.ShapeDtypeStruct((batch,), jnp.int32))
   f = lambda *a: _decode(*a, softmax_scale=SCALE, causal=True, config=config, pv=pv,
-                         interpret=False)
+                         schedule=schedule, interpret=False)
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pv", ["f16", "fp8"])
+@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
 @pytest.mark.parametrize("batch,s_q,heads,context", [
     (32, 1, 128, 16384), (128, 2, 16, 65536), (1, 1, 128, 131072)])
-def test_lowers_for_cuda(batch, s_q, heads, context, pv):
-  assert "mosaic_gpu" in lower(batch, s_q, heads, context, pv)
+def test_lowers_for_cuda(batch, s_q, heads, context, pv, schedule):
+  assert "mosaic_gpu" in lower(batch, s_q, heads, context, pv, schedule)
 
 
 def test_rejects_bad_inputs():
@@ -148,38 +156,44 @@ def test_rejects_bad_inputs():
     call(qc, qs, qr, cache.content, cache.scale, cache.rope.astype(jnp.float32))
   with pytest.raises(ValueError, match="pv must be"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="int8")
+  with pytest.raises(ValueError, match="schedule must be"):
+    call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="fast")
+  with pytest.raises(ValueError, match="2-stage ring"):
+    call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
+         config=TuningConfig(num_stages=3))
 
 
 # ---------------------------------------------------------------------------------------
 # Tier 3: the H200.
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["f16", "fp8"])
+@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
-def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv):
+def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv, schedule):
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
-  err, lerr, ref_err = run_and_check(case, s_q=s_q, pv=pv)
-  print(f"fp8-{pv} b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e} "
+  err, lerr, ref_err = run_and_check(case, s_q=s_q, pv=pv, schedule=schedule)
+  print(f"fp8-{pv}-{schedule} b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e} "
         f"vs_fp32={ref_err:.2e}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["f16", "fp8"])
+@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
 @pytest.mark.parametrize("splits,stages", [(1, 2), (5, 2), (64, 2)])
-def test_gpu_splits(splits, stages, pv):
+def test_gpu_splits(splits, stages, pv, schedule):
   case = make_case(7, [3000, 17, 640], s_q=2, heads=128, kinds=("fp8",))
-  run_and_check(case, s_q=2, config=TuningConfig(num_stages=stages, num_splits=splits), pv=pv)
+  run_and_check(case, s_q=2, config=TuningConfig(num_stages=stages, num_splits=splits), pv=pv,
+                schedule=schedule)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["f16", "fp8"])
-def test_gpu_not_causal(pv):
+@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
+def test_gpu_not_causal(pv, schedule):
   case = make_case(8, [300, 64], s_q=2, heads=16, kinds=("fp8",), zero_tokens=100)
-  run_and_check(case, s_q=2, causal=False, pv=pv)
+  run_and_check(case, s_q=2, causal=False, pv=pv, schedule=schedule)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv", ["f16", "fp8"])
-def test_gpu_non_finite_token_poisons_its_sequence(pv):
-  check_non_finite_token_poisons_its_sequence(pv, interpret=False)
+@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
+def test_gpu_non_finite_token_poisons_its_sequence(pv, schedule):
+  check_non_finite_token_poisons_its_sequence(pv, schedule, interpret=False)

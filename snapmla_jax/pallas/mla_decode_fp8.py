@@ -64,6 +64,7 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM, TuningConfig)
 
 PvImpl = Literal["f16", "fp8"]
+Schedule = Literal["softmax_wg", "seesaw"]
 _FP8 = jnp.float8_e4m3fn
 _U16 = jnp.uint16
 _HALF_PAGE = PAGE_SIZE // 2
@@ -73,6 +74,19 @@ PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 25
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
 DEFAULT_STAGES = {"fp8": 3, "f16": 2}   # what fits in SMEM next to Q, V and P
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
+
+
+def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready) -> None:
+  """Starts the three TMAs of cache page ``page`` into ring slot ``slot``.
+
+  Args:
+    cache_refs: GMEM ``(content, scale, rope)`` of the cache.
+    ring_smem: SMEM ``(content [stages, 64, 512], scale [stages, 64], rope [stages, 64, 64])``.
+    kv_ready: ``3 * stages`` barriers, ``slot * 3 + which`` for the copy ``which`` of
+      ``(_CONTENT, _SCALE, _ROPE)``.
+  """
+  for which, (src, dst) in enumerate(zip(cache_refs, ring_smem)):
+    plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + which])
 
 
 def dequantize_v_half(page_smem, v_smem, half: int, first_token, seq_len, masked: bool):
@@ -152,12 +166,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     return kv_ready.at[slot * 3 + which]
 
   def issue_copies(step, slot):
-    """Starts the three TMAs of page ``step`` into ring slot ``slot``."""
-    page = bt_ref[b, first_page + step]
-    for which, (src, dst) in zip((_CONTENT, _SCALE, _ROPE), ((content_ref, kc_smem),
-                                                             (scale_ref, ks_smem),
-                                                             (rope_ref, kr_smem))):
-      plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_bar(slot, which))
+    issue_page_copies((content_ref, scale_ref, rope_ref), (kc_smem, ks_smem, kr_smem),
+                      bt_ref[b, first_page + step], slot, kv_ready)
 
   def dequantize_v(slot, half, first_token, masked: bool):
     dequantize_v_half(kc_smem.at[slot], v_smem[half], half, first_token, seq_len, masked)
@@ -319,25 +329,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     pl.when(wg == pv_wg)(functools.partial(pv_warpgroup, half))
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "pv",
-                                             "interpret"))
-def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens, *,
-            softmax_scale, causal, config: TuningConfig, pv: PvImpl, interpret: bool):
-  batch, s_q, heads, _ = q_content.shape
-  row_tiles = common.num_row_tiles(s_q, heads)
-  padded = row_tiles * QUERY_TILE
-  max_pages = block_table.shape[1]
-  num_splits = config.num_splits or common.default_num_splits(batch, row_tiles, max_pages)
-  qc = common.pack_query_rows(q_content, padded)
-  qs = common.pack_query_rows(q_scale, padded)
-  qr = common.pack_query_rows(q_rope, padded)
-  ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
-  stages = config.num_stages or DEFAULT_STAGES[pv]
-
+def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place):
+  """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``."""
   kernel = functools.partial(
-      _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
-      num_stages=stages, pv_impl=pv, in_place=not interpret)
-  if pv == "f16":
+      _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
+      num_stages=stages, pv_impl=pv_impl, in_place=in_place)
+  if pv_impl == "f16":
     content_buf = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
     v_buf = common.smem((PAGE_SIZE, HALF_DIM), jnp.float16)
     p_buf = common.smem((P_BUFFERS, QUERY_TILE, PAGE_SIZE), jnp.float16)
@@ -348,32 +345,63 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
                            common.smem((HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
     p_buf = plgpu.RefUnion(common.smem((P_BUFFERS, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
                            common.smem((P_BUFFERS, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
+  scratch = [
+      *query_smem(),
+      content_buf,
+      plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
+      common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
+      v_buf,
+      v_buf,
+      p_buf,
+      plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
+      plgpu.SMEM((QUERY_TILE,), jnp.float32),
+      plgpu.Barrier(num_barriers=3),
+      plgpu.Barrier(num_barriers=3 * stages),
+      # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
+      plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages),
+      plgpu.Barrier(num_barriers=P_BUFFERS),
+      plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
+  ]
+  return kernel, scratch, 1 + len(PV_WGS)
+
+
+def query_smem():
+  """SMEM of a CTA's query tile: content e4m3 ``[64, 512]``, scales f32 ``[64]``, RoPE bf16
+  ``[64, 64]``."""
+  return [common.smem((QUERY_TILE, CONTENT_DIM), _FP8), plgpu.SMEM((QUERY_TILE,), jnp.float32),
+          common.smem((QUERY_TILE, ROPE_DIM), jnp.bfloat16)]
+
+
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "pv",
+                                             "schedule", "interpret"))
+def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens, *,
+            softmax_scale, causal, config: TuningConfig, pv: PvImpl, schedule: Schedule,
+            interpret: bool):
+  batch, s_q, heads, _ = q_content.shape
+  row_tiles = common.num_row_tiles(s_q, heads)
+  padded = row_tiles * QUERY_TILE
+  max_pages = block_table.shape[1]
+  num_splits = config.num_splits or common.default_num_splits(batch, row_tiles, max_pages)
+  qc = common.pack_query_rows(q_content, padded)
+  qs = common.pack_query_rows(q_scale, padded)
+  qr = common.pack_query_rows(q_rope, padded)
+  ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
+  params = dict(s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
+                pv_impl=pv, in_place=not interpret)
+  if schedule == "seesaw":
+    from snapmla_jax.pallas import mla_decode_fp8_seesaw
+    kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
+  else:
+    kernel, scratch, num_warpgroups = _softmax_wg_launch(
+        stages=config.num_stages or DEFAULT_STAGES[pv], **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
-      scratch_types=[
-          common.smem((QUERY_TILE, CONTENT_DIM), _FP8),
-          plgpu.SMEM((QUERY_TILE,), jnp.float32),
-          common.smem((QUERY_TILE, ROPE_DIM), jnp.bfloat16),
-          content_buf,
-          plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
-          common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
-          v_buf,
-          v_buf,
-          p_buf,
-          plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
-          plgpu.SMEM((QUERY_TILE,), jnp.float32),
-          plgpu.Barrier(num_barriers=3),
-          plgpu.Barrier(num_barriers=3 * stages),
-          # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
-          plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages),
-          plgpu.Barrier(num_barriers=P_BUFFERS),
-          plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
-      ],
+      scratch_types=scratch,
       grid=(row_tiles, num_splits, batch),
       grid_names=("rows", "split", "batch"),
-      num_threads=1 + len(PV_WGS),
+      num_threads=num_warpgroups,
       thread_name="wg",
       # No thread reads SMEM it writes: V^T, P, the factors and the LSE are written by one
       # warpgroup and read by another (or by wgmma / TMA) behind commit_smem + mbarriers.
@@ -398,7 +426,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
                    content: jax.Array, scale: jax.Array, rope: jax.Array,
                    block_table: jax.Array, seq_lens: jax.Array, *, softmax_scale: float,
                    causal: bool = True, config: TuningConfig | None = None,
-                   pv: PvImpl = "fp8", interpret: bool = False):
+                   pv: PvImpl = "fp8", schedule: Schedule = "softmax_wg",
+                   interpret: bool = False):
   """SnapMLA FP8 absorbed-MLA decode over a paged FP8 latent cache (Hopper kernel).
 
   The query and cache are quantized as ``quant.quantize_query`` / ``quantize_latent`` do.
@@ -416,6 +445,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
     config: pipeline knobs; ``None`` picks the defaults (``DEFAULT_STAGES[pv]`` stages).
     pv: the ``P_q V`` implementation (see the module docstring).
+    schedule: ``"softmax_wg"`` (this module) or ``"seesaw"`` (``mla_decode_fp8_seesaw``:
+      two warpgroups taking turns with the pages; a 2-stage ring).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:
@@ -436,6 +467,11 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   common.check_paging(block_table, seq_lens, batch, page_size)
   if pv not in ("f16", "fp8"):
     raise ValueError(f'pv must be "f16" or "fp8", got {pv=!r}')
+  config = config or TuningConfig()
+  if schedule not in ("softmax_wg", "seesaw"):
+    raise ValueError(f'schedule must be "softmax_wg" or "seesaw", got {schedule=!r}')
+  if schedule == "seesaw" and config.num_stages not in (None, 2):
+    raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
   return _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
-                 config=config or TuningConfig(), pv=pv, interpret=bool(interpret))
+                 config=config, pv=pv, schedule=schedule, interpret=bool(interpret))
