@@ -1,7 +1,8 @@
 """SnapMLA FP8 absorbed-MLA decode on Hopper, in Pallas Mosaic GPU.
 
 One CTA owns a tile of 64 query rows of one sequence and one split of its pages (the grid
-and splits of ``common``), with three warpgroups:
+and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; the other,
+``"seesaw"``, is ``mla_decode_fp8_seesaw``) has three warpgroups:
 
 * softmax (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32
   accumulator, restored by ``scale_q * scale_k``; online softmax (exp2 domain, the row sum
