@@ -7,8 +7,8 @@ entry computation's instructions other than parameters, tuples, bitcasts and
 constants: on a GPU, one launch each), the median time, the bytes it must move (inputs
 read + outputs written) and GB/s against the H200's HBM.
 
-Q-quant and K-append also run as the fused Mosaic GPU kernels of ``pallas.tokens`` (one
-launch each) on a GPU. K-append updates the cache in place: a jitted loop of ``APPENDS`` appends to disjoint
+Q-quant, K-append and fetch-dequant also run as the fused Mosaic GPU kernels of
+``pallas.tokens`` (one launch each) on a GPU. K-append updates the cache in place: a jitted loop of ``APPENDS`` appends to disjoint
 slots with the cache donated, timed on the wall clock (one launch per loop; device
 events elsewhere, ``bench.kernel.measure``).
 
@@ -68,14 +68,15 @@ def q_quant(batch: int, heads: int, impl: str = "xla"):
           rows * 576 * 2 + rows * (512 + 4 + 64 * 2))
 
 
-def fetch_dequant(batch: int, context: int):
+def fetch_dequant(batch: int, context: int, impl: str = "xla"):
   pages = context // 64
   cache = PagedLatentCache.create(batch * pages, kind="fp8")
   table = jax.random.permutation(jax.random.key(1), batch * pages).astype(jnp.int32)
   table = table.reshape(batch, pages)
   lens = jnp.full((batch,), context, jnp.int32)
   tokens = batch * context
-  return (f"fetch-dequant b{batch} {context // 1024}k", PagedLatentCache.fetch_dequant,
+  return (f"fetch-dequant ({impl}) b{batch} {context // 1024}k",
+          functools.partial(PagedLatentCache.fetch_dequant, impl=impl),
           (cache, table, lens), tokens * 644 + tokens * 576 * 2)
 
 
@@ -124,7 +125,9 @@ def main(argv=None):
     pure, appends = [q_quant(4, 16), fetch_dequant(2, 1024)], [128]
   else:
     pure = [q_quant(128, 128), q_quant(128, 128, "pallas"), q_quant(32, 16),
-            q_quant(32, 16, "pallas"), fetch_dequant(8, 16384), fetch_dequant(1, 131072)]
+            q_quant(32, 16, "pallas"), fetch_dequant(8, 16384),
+            fetch_dequant(8, 16384, "pallas"), fetch_dequant(1, 131072),
+            fetch_dequant(1, 131072, "pallas")]
     appends = [128, 16384]
   rows = []
   for name, f, args_, nbytes in pure:

@@ -16,7 +16,8 @@ Two kinds, one class:
 ``append`` is one jitted op (quantize, pre-scale, scatter); donate the cache to
 update it in place: ``jax.jit(PagedLatentCache.append, donate_argnums=0)``. On an FP8
 cache, ``impl="pallas"`` does it in one Mosaic GPU launch (``pallas.tokens``), which
-``impl="auto"`` takes on Hopper for prefill-sized appends.
+``impl="auto"`` takes on Hopper for prefill-sized appends; ``fetch_dequant``, the way
+back, has such a kernel too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from snapmla_jax import platform, quant
 
 CacheKind = Literal["fp8", "bf16"]
 AppendImpl = Literal["auto", "xla", "pallas"]
+FetchImpl = Literal["xla", "pallas"]
 
 # From this many tokens on, impl="auto" appends with the fused kernel: it is one launch
 # (2x XLA at 16k tokens on the H200), but its TMA round trip makes it slower than XLA's
@@ -162,19 +164,31 @@ class PagedLatentCache:
                  for a in arrays)
 
   def fetch_dequant(self, block_table: jax.Array, seq_lens: jax.Array, *,
-                    dtype=jnp.bfloat16):
+                    dtype=jnp.bfloat16, impl: FetchImpl = "xla", interpret: bool = False):
     """Gathers and dequantizes each sequence's tokens (chunked prefill, prefix reuse).
 
     Args:
       block_table: ``int32 [batch, max_pages]``.
       seq_lens: ``int32 [batch]``.
       dtype: output dtype.
+      impl: ``"xla"``, or ``"pallas"`` for the one-launch kernel
+        (``pallas.tokens.fetch_dequant_fp8``: FP8 caches of 512 + 64 dims in pages of 64,
+        a Hopper GPU, bf16 or f32 out; the same bits).
+      interpret: with ``impl="pallas"``, Mosaic GPU's interpret mode (CPU, tests).
 
     Returns:
       ``(ckv [b, max_pages * page_size, 512], k_rope [b, max_pages * page_size, 64])``
       with positions ``>= seq_len`` set to zero.
     """
     check_block_table(block_table, seq_lens)
+    if impl == "pallas":
+      if self.kind != "fp8":
+        raise ValueError(f"impl='pallas' reads an fp8 cache, got {self.kind=!r}")
+      from snapmla_jax.pallas.tokens import fetch_dequant_fp8
+      return fetch_dequant_fp8(self.content, self.scale, self.rope, block_table, seq_lens,
+                               dtype=dtype, interpret=interpret)
+    if impl != "xla":
+      raise ValueError(f'impl must be "xla" or "pallas", got {impl=!r}')
     gathered = self.gather(block_table)
     if self.kind == "fp8":
       ckv, k_rope = quant.dequantize_latent(*gathered, dtype=jnp.float32)

@@ -1,4 +1,5 @@
-"""Fused-Q-Quant and Fused-K-Append (``snapmla_jax.pallas.tokens``): bit for bit the XLA path.
+"""Fused-Q-Quant, Fused-K-Append and Fused-Fetch-Dequant (``snapmla_jax.pallas.tokens``): bit
+for bit the XLA path.
 
 Tiers: GPU interpret mode on CPU, CUDA lowering on CPU, ``gpu``-marked tests on the H200.
 """
@@ -12,7 +13,9 @@ import pytest
 
 from snapmla_jax import quant
 from snapmla_jax.cache import PagedLatentCache
-from snapmla_jax.pallas.tokens import _append, _quantize_query, quantize_query_fp8
+from snapmla_jax.pallas.tokens import (_append, _fetch_dequant, _quantize_query,
+                                       quantize_query_fp8)
+from snapmla_jax.testing import make_poisoned_case
 
 pytestmark = pytest.mark.usefixtures("gpu_interpreter")  # conftest
 
@@ -72,6 +75,24 @@ def test_interpret_q_quant_matches_quantize_query_bit_for_bit(batch, heads, dtyp
   _assert_same_bits(got, quant.quantize_query(q_nope, q_rope))
 
 
+def _fetch_case():
+  """Two sequences (130 tokens with an inf at token 67, and 90), NaN in the free slots, and
+  unused block-table entries pointing far past the cache: they must not be read."""
+  case, cache = make_poisoned_case("fp8")
+  used = (np.arange(case.block_table.shape[1])[None, :] * 64) < np.asarray(case.seq_lens)[:, None]
+  block_table = jnp.where(used, case.block_table, 2 ** 30)
+  return cache, block_table, case.seq_lens
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_interpret_fetch_dequant_matches_xla_bit_for_bit(dtype):
+  cache, block_table, seq_lens = _fetch_case()
+  got = cache.fetch_dequant(block_table, seq_lens, dtype=dtype, impl="pallas", interpret=True)
+  _assert_same_bits(got, cache.fetch_dequant(block_table, seq_lens, dtype=dtype))
+  assert np.isnan(np.asarray(got[0][0], np.float32)).any()  # the inf token, as XLA has it
+
+
 def test_both_kernels_lower_for_cuda_at_production_sizes():
   cache = jax.eval_shape(lambda: PagedLatentCache.create(4096, kind="fp8"))
   for tokens in (128, 4096):
@@ -87,6 +108,12 @@ def test_both_kernels_lower_for_cuda_at_production_sizes():
   lowered = jax.jit(lambda q, r: _quantize_query(q, r, interpret=False)).trace(q, r).lower(
       lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
+  table = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+  lens = jax.ShapeDtypeStruct((8,), jnp.int32)
+  lowered = jax.jit(lambda *a: _fetch_dequant(*a, dtype=jnp.dtype(jnp.bfloat16),
+                                              interpret=False)).trace(
+      cache.content, cache.scale, cache.rope, table, lens).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_rejects_a_bf16_cache_and_unknown_impls():
@@ -96,6 +123,11 @@ def test_rejects_a_bf16_cache_and_unknown_impls():
     cache.append(ckv, k_rope, slots, impl="pallas")
   with pytest.raises(ValueError, match="impl must be"):
     cache.append(ckv, k_rope, slots, impl="cuda")
+  table, lens = jnp.zeros((1, 2), jnp.int32), jnp.asarray([10], jnp.int32)
+  with pytest.raises(ValueError, match="reads an fp8 cache"):
+    cache.fetch_dequant(table, lens, impl="pallas")
+  with pytest.raises(ValueError, match="impl must be"):
+    PagedLatentCache.create(PAGES, kind="fp8").fetch_dequant(table, lens, impl="cuda")
 
 
 @pytest.mark.gpu
@@ -119,6 +151,19 @@ def test_gpu_q_quant_matches_quantize_query(batch, heads, dtype):
   q_nope, q_rope = _queries(batch, batch, heads, dtype)
   got = jax.jit(quantize_query_fp8)(q_nope, q_rope)
   want = jax.jit(quant.quantize_query)(q_nope, q_rope)
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_fetch_dequant_matches_xla(dtype):
+  cache, block_table, seq_lens = _fetch_case()
+  fetch = lambda impl: jax.jit(lambda c, t, s: c.fetch_dequant(t, s, dtype=dtype, impl=impl))
+  got, want = fetch("pallas")(cache, block_table, seq_lens), fetch("xla")(cache, block_table,
+                                                                          seq_lens)
   for g, w in zip(got, want):
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_array_equal(np.isnan(g), np.isnan(w))

@@ -198,3 +198,98 @@ def _append(content, scale, rope, ckv, k_rope, slots, *, interpret: bool):
       interpret=common.interpret_params(interpret),  # exact math: 1 / scale as XLA does it
   )(slots, ckv, k_rope, *cache)
   return tuple(jax.freeze(ref) for ref in cache)
+
+
+# ------------------------------------------------------------------------ Fused-Fetch-Dequant
+
+
+def _fetch_kernel(bt_ref, lens_ref, content_ref, scale_ref, rope_ref,   # inputs (GMEM)
+                  ckv_ref, k_rope_ref,                                  # outputs (GMEM)
+                  content_smem, scale_smem, rope_smem, bars):
+  b, page_index = lax.axis_index("batch"), lax.axis_index("page")
+  seq_len = lens_ref[b]
+  first_token = page_index * TOKENS
+  tokens = pl.ds(first_token, TOKENS)
+  chunk = 128  # the E4M3 tile's swizzle width
+  zeros = lambda cols: plgpu.layout_cast(jnp.zeros((TOKENS, cols), ckv_ref.dtype),
+                                         plgpu.Layout.WGMMA)
+
+  @pl.when(first_token < seq_len)  # only pages that hold tokens are read
+  def _():
+    page = bt_ref[b, page_index]
+    for i, (src, dst) in enumerate(((content_ref, content_smem), (scale_ref, scale_smem),
+                                    (rope_ref, rope_smem))):
+      plgpu.copy_gmem_to_smem(src.at[page], dst, bars.at[i])
+    for i in range(3):
+      plgpu.barrier_wait(bars.at[i])
+    scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def dequantize(tile):  # as quant.dequantize_latent, then fetch_dequant's tail mask
+      x = tile.astype(jnp.float32) * common.row_broadcast(scale, tile.shape)
+      token = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
+                                     layout=plgpu.Layout.WGMMA) + first_token
+      return jnp.where(token < seq_len, x, 0.0).astype(ckv_ref.dtype)
+
+    for c in range(0, common.CONTENT_DIM, chunk):
+      ckv_ref[b, tokens, pl.ds(c, chunk)] = dequantize(
+          plgpu.load(content_smem.at[:, pl.ds(c, chunk)], layout=plgpu.Layout.WGMMA))
+    k_rope_ref[b, tokens] = dequantize(plgpu.load(rope_smem, layout=plgpu.Layout.WGMMA))
+
+  @pl.when(first_token >= seq_len)
+  def _():
+    for c in range(0, common.CONTENT_DIM, chunk):
+      ckv_ref[b, tokens, pl.ds(c, chunk)] = zeros(chunk)
+    k_rope_ref[b, tokens] = zeros(common.ROPE_DIM)
+
+
+def fetch_dequant_fp8(content: jax.Array, scale: jax.Array, rope: jax.Array,
+                      block_table: jax.Array, seq_lens: jax.Array, *, dtype=jnp.bfloat16,
+                      interpret: bool = False):
+  """``PagedLatentCache.fetch_dequant`` of an FP8 cache in one launch, the same bits.
+
+  One CTA per (sequence, page): the page's content, scales and RoPE by TMA, dequantized
+  in registers, stored; a page past ``seq_len`` is not read and comes out zero.
+
+  Args:
+    content: e4m3 ``[num_pages, 64, 512]``; scale: f32 ``[num_pages, 64]``;
+      rope: bf16 ``[num_pages, 64, 64]``: the cache (``PagedLatentCache`` fp8).
+    block_table: int32 ``[batch, max_pages]``; entries past a sequence's pages are not read.
+    seq_lens: int32 ``[batch]``.
+    dtype: bf16 or f32, the outputs' dtype.
+    interpret: run in Mosaic GPU's interpret mode (CPU, tests).
+
+  Returns:
+    ``(ckv [batch, max_pages * 64, 512], k_rope [batch, max_pages * 64, 64])`` in
+    ``dtype``, tokens ``>= seq_len`` zero.
+  """
+  common.check_platform(interpret)
+  batch, max_pages = block_table.shape
+  common.check_array("content", content, (None, TOKENS, common.CONTENT_DIM), quant.FP8)
+  num_pages = content.shape[0]
+  common.check_array("scale", scale, (num_pages, TOKENS), jnp.float32)
+  common.check_array("rope", rope, (num_pages, TOKENS, common.ROPE_DIM), jnp.bfloat16)
+  common.check_paging(block_table, seq_lens, batch, content.shape[1])
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"dtype must be bf16 or f32, got {dtype=}")
+  return _fetch_dequant(content, scale, rope, block_table, seq_lens, dtype=jnp.dtype(dtype),
+                        interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
+def _fetch_dequant(content, scale, rope, block_table, seq_lens, *, dtype, interpret: bool):
+  batch, max_pages = block_table.shape
+  tokens = max_pages * TOKENS
+  return plgpu.kernel(
+      _fetch_kernel,
+      out_type=(jax.ShapeDtypeStruct((batch, tokens, common.CONTENT_DIM), dtype),
+                jax.ShapeDtypeStruct((batch, tokens, common.ROPE_DIM), dtype)),
+      grid=(max_pages, batch),
+      grid_names=("page", "batch"),
+      scratch_types=[
+          common.smem((TOKENS, common.CONTENT_DIM), quant.FP8),
+          plgpu.SMEM((TOKENS,), jnp.float32),
+          common.smem((TOKENS, common.ROPE_DIM), jnp.bfloat16),
+          plgpu.Barrier(num_barriers=3),
+      ],
+      interpret=common.interpret_params(interpret),
+  )(block_table, seq_lens, content, scale, rope)
