@@ -1,10 +1,12 @@
-"""Fused token preparation, one Mosaic GPU launch each (SnapMLA section 3.3.1).
+"""The fused data path, one Mosaic GPU launch each (SnapMLA section 3.3.1).
 
 * Fused-Q-Quant, ``quantize_query_fp8``: per (token, head) row, the scale, the E4M3
   content and the RoPE part divided by the scale, as ``quant.quantize_query``.
 * Fused-K-Append, ``append_fp8``: the same for new cache tokens, written straight into
   their paged slots. In XLA (``PagedLatentCache.append``) this is a per-token reduction
   and three scatters.
+* Fused-Fetch-Dequant, ``fetch_dequant_fp8``: the way back (chunked prefill, prefix
+  reuse), ``PagedLatentCache.fetch_dequant`` of an FP8 cache: one CTA per (sequence, page).
 
 Each CTA (one warpgroup) takes 64 rows, TMAs them into SMEM and quantizes the tile with
 ``quant.quantize_tokens``, the very function the XLA path and the emulation use, so the
