@@ -447,7 +447,7 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     config: pipeline knobs; ``None`` picks the defaults (``DEFAULT_STAGES[pv]`` stages).
     pv: the ``P_q V`` implementation (see the module docstring).
     schedule: ``"softmax_wg"`` (this module) or ``"seesaw"`` (``mla_decode_fp8_seesaw``:
-      two warpgroups taking turns with the pages; a 2-stage ring).
+      two warpgroups taking turns with the pages; a 2-stage ring; slower so far).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:

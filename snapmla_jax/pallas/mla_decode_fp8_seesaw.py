@@ -23,6 +23,10 @@ which is the emulation's ``P'`` quantization (``P' = P'_loc beta``, block max
 P_q V`` with ``O = sigma_s acc``. Steps stay in strictly increasing order in each
 warpgroup's accumulator.
 
+Measured on the H200 (bench/RESULTS.md, 2026-12-06): correct, and slower than
+``"softmax_wg"`` (0.85x at b32 h128 16k): the same instructions per page on 8 warps per SM
+instead of 12 hide less latency. Kept as the base for the next attempts.
+
 SMEM: the query tile, a 2-slot ring of pages (page ``t`` in slot ``t % 2``, refilled by
 the warpgroup that does not own it), each warpgroup's V halves of two pages, ``P_q`` and the combined
 state of four steps (step ``s`` in buffer ``s % 4``, written by its owner).
