@@ -335,22 +335,10 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place)
-  if pv_impl == "f16":
-    content_buf = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
-    v_buf = common.smem((PAGE_SIZE, HALF_DIM), jnp.float16)
-    p_buf = common.smem((P_BUFFERS, QUERY_TILE, PAGE_SIZE), jnp.float16)
-  else:
-    content_buf = plgpu.RefUnion(common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8),
-                                 common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
-    v_buf = plgpu.RefUnion(common.smem((HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
-                           common.smem((HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
-    p_buf = plgpu.RefUnion(common.smem((P_BUFFERS, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
-                           common.smem((P_BUFFERS, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
+  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS)
   scratch = [
       *query_smem(),
-      content_buf,
-      plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
-      common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
+      *ring,
       v_buf,
       v_buf,
       p_buf,
@@ -364,6 +352,33 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
   ]
   return kernel, scratch, 1 + len(PV_WGS)
+
+
+def operand_smem(pv_impl: PvImpl, *, stages: int, p_buffers: int, v_pages: int | None = None):
+  """SMEM of the page ring, of one warpgroup's V half and of the P_q buffers.
+
+  Returns:
+    ``(ring, v, p)``: ``ring`` the ring's content e4m3 ``[stages, 64, 512]``, scales f32
+    ``[stages, 64]`` and RoPE bf16 ``[stages, 64, 64]``; ``v`` one V half, f16 ``[64, 256]``
+    (``pv="f16"``) or V^T e4m3 ``[256, 64]`` (``pv="fp8"``), with a leading ``[v_pages]``
+    if given; ``p`` f16 or e4m3 ``[p_buffers, 64, 64]``. On ``pv="fp8"`` the content, V^T
+    and P_q are ``RefUnion``s of (e4m3, u16) views of the same bytes.
+  """
+  lead = () if v_pages is None else (v_pages,)
+  content = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
+  if pv_impl == "f16":
+    v = common.smem((*lead, PAGE_SIZE, HALF_DIM), jnp.float16)
+    p = common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), jnp.float16)
+  else:
+    content = plgpu.RefUnion(content,
+                             common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
+    v = plgpu.RefUnion(common.smem((*lead, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
+                       common.smem((*lead, HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
+    p = plgpu.RefUnion(common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
+                       common.smem((p_buffers, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
+  ring = [content, plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
+          common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16)]
+  return ring, v, p
 
 
 def query_smem():

@@ -44,10 +44,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax import quant
 from snapmla_jax.pallas import common
-from snapmla_jax.pallas.common import CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_TILE, ROPE_DIM
-from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _HALF_PAGE, _ROPE, _SCALE, _U16,
-                                               PvImpl, dequantize_v_half, issue_page_copies,
-                                               query_smem, store_p_tile, transpose_v_half)
+from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE
+from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, PvImpl,
+                                               dequantize_v_half, issue_page_copies,
+                                               operand_smem, query_smem, store_p_tile,
+                                               transpose_v_half)
 
 NUM_WARPGROUPS = 2
 STAGES = 2   # page t in slot t % 2: a slot's pages all belong to warpgroup t % 2
@@ -299,23 +300,10 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
   """The kernel, its scratch and its warpgroup count, for ``mla_decode_fp8._decode``."""
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, scale_log2=scale_log2,
                              causal=causal, pv_impl=pv_impl, in_place=in_place)
-  ring_content = common.smem((STAGES, PAGE_SIZE, CONTENT_DIM), _FP8)
-  if pv_impl == "f16":
-    v_buf = common.smem((2, PAGE_SIZE, HALF_DIM), jnp.float16)
-    p_buf = common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE), jnp.float16)
-  else:
-    ring_content = plgpu.RefUnion(
-        ring_content, common.smem((STAGES, PAGE_SIZE, CONTENT_DIM // 2), _U16))
-    v_buf = plgpu.RefUnion(
-        common.smem((2, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
-        common.smem((2, HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
-    p_buf = plgpu.RefUnion(common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
-                           common.smem((BUFFERS, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
+  ring, v_buf, p_buf = operand_smem(pv_impl, stages=STAGES, p_buffers=BUFFERS, v_pages=2)
   scratch = [
       *query_smem(),
-      ring_content,
-      plgpu.SMEM((STAGES, PAGE_SIZE), jnp.float32),
-      common.smem((STAGES, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
+      *ring,
       v_buf,
       v_buf,
       p_buf,
