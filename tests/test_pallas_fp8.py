@@ -132,11 +132,16 @@ def lower(batch, s_q, heads, context, pv, schedule="softmax_wg", config=TuningCo
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
 @pytest.mark.parametrize("batch,s_q,heads,context", [
     (32, 1, 128, 16384), (128, 2, 16, 65536), (1, 1, 128, 131072)])
-def test_lowers_for_cuda(batch, s_q, heads, context, pv, schedule):
-  assert "mosaic_gpu" in lower(batch, s_q, heads, context, pv, schedule)
+def test_lowers_for_cuda(batch, s_q, heads, context, pv):
+  assert "mosaic_gpu" in lower(batch, s_q, heads, context, pv)
+
+
+@pytest.mark.timeout(300)
+def test_seesaw_lowers_for_cuda():  # one shape: its lowering takes ~20 s on CI's CPU
+  assert "mosaic_gpu" in lower(128, 2, 16, 65536, "fp8", "seesaw")
 
 
 def test_rejects_bad_inputs():
