@@ -99,10 +99,13 @@ def quantize_latent(ckv: jax.Array, k_rope: jax.Array):
 def dequantize_latent(content: jax.Array, scale: jax.Array, rope: jax.Array,
                       dtype=jnp.float32):
   """Inverse of ``quantize_latent``: ``(ckv [..., 512], k_rope [..., 64])``."""
-  s = scale.astype(jnp.float32)[..., None]
-  ckv = content.astype(jnp.float32) * s
-  k_rope = rope.astype(jnp.float32) * s
-  return ckv.astype(dtype), k_rope.astype(dtype)
+  return dequantize_rows(content, scale, dtype), dequantize_rows(rope, scale, dtype)
+
+
+def dequantize_rows(x: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """``x [..., D] * scale [...]`` in f32, then ``dtype``: one part of a token's latent (the
+  E4M3 content, or the pre-scaled RoPE). Lowers in Mosaic GPU kernels too."""
+  return (x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
 
 def quantize_query(q_nope: jax.Array, q_rope: jax.Array):

@@ -130,6 +130,15 @@ def test_rejects_a_bf16_cache_and_unknown_impls():
     PagedLatentCache.create(PAGES, kind="fp8").fetch_dequant(table, lens, impl="cuda")
 
 
+def _assert_same_values(got, want):
+  """Equal values and NaNs in the same places (GPU results, compared after the device
+  round trip: NaN payloads may differ)."""
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+    np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, dtype", [(100, jnp.bfloat16), (4096 - 64 * 3, jnp.float32)])
 def test_gpu_matches_xla_append_bit_for_bit(num_tokens, dtype):
@@ -139,10 +148,7 @@ def test_gpu_matches_xla_append_bit_for_bit(num_tokens, dtype):
   slots = jnp.asarray(rng.permutation(cache.num_pages * 64)[:num_tokens].astype(np.int32))
   want = jax.jit(PagedLatentCache.append)(cache, ckv, k_rope, slots)
   got = jax.jit(lambda c, *a: c.append(*a, impl="pallas"))(cache, ckv, k_rope, slots)
-  for g, w in zip((got.content, got.scale, got.rope), (want.content, want.scale, want.rope)):
-    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-    np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
+  _assert_same_values((got.content, got.scale, got.rope), (want.content, want.scale, want.rope))
 
 
 @pytest.mark.gpu
@@ -151,10 +157,7 @@ def test_gpu_q_quant_matches_quantize_query(batch, heads, dtype):
   q_nope, q_rope = _queries(batch, batch, heads, dtype)
   got = jax.jit(quantize_query_fp8)(q_nope, q_rope)
   want = jax.jit(quant.quantize_query)(q_nope, q_rope)
-  for g, w in zip(got, want):
-    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-    np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
+  _assert_same_values(got, want)
 
 
 @pytest.mark.gpu
@@ -164,7 +167,4 @@ def test_gpu_fetch_dequant_matches_xla(dtype):
   fetch = lambda impl: jax.jit(lambda c, t, s: c.fetch_dequant(t, s, dtype=dtype, impl=impl))
   got, want = fetch("pallas")(cache, block_table, seq_lens), fetch("xla")(cache, block_table,
                                                                           seq_lens)
-  for g, w in zip(got, want):
-    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
-    np.testing.assert_array_equal(np.where(np.isnan(g), 0, g), np.where(np.isnan(w), 0, w))
+  _assert_same_values(got, want)

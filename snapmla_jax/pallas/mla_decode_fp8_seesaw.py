@@ -166,17 +166,15 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       k_scale = lax.broadcast_in_dim(k_scale, scores.shape, [1])
 
       with jax.named_scope("softmax"):  # relative to the page's own max: no wait
-        t = scores * k_scale  # logits in units where row r's log2 logit is q_scale[r] * t
         visible = None
         if masked:
           visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
                                               heads=heads, causal=causal)
-          t = jnp.where(visible, t, -jnp.inf)
-        m_loc = t.max(axis=1)
-        m_loc_use = jnp.where(m_loc == -jnp.inf, 0.0, m_loc) if masked else m_loc
-        e = jnp.exp2(t * common.row_broadcast(q_scale, t.shape)
-                     - common.row_broadcast(m_loc_use * q_scale, t.shape))
-        l_loc = e.sum(axis=1)
+        # One online-softmax step from the empty state: the page's own max and sum. Logits
+        # in units where row r's log2 logit is q_scale[r] * t.
+        m_loc, _, e, l_loc = common.online_softmax_step(
+            scores * k_scale, common.zero_rows(QUERY_TILE, -jnp.inf),
+            common.zero_rows(QUERY_TILE), q_scale, visible)
         p_fused = e * k_scale  # P'_loc
         if masked:
           p_fused = jnp.where(visible, p_fused, 0.0)

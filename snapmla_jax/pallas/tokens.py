@@ -227,7 +227,7 @@ def _fetch_kernel(bt_ref, lens_ref, content_ref, scale_ref, rope_ref,   # inputs
     scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
 
     def dequantize(tile):  # as quant.dequantize_latent, then fetch_dequant's tail mask
-      x = tile.astype(jnp.float32) * common.row_broadcast(scale, tile.shape)
+      x = quant.dequantize_rows(tile, scale)
       token = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
                                      layout=plgpu.Layout.WGMMA) + first_token
       return jnp.where(token < seq_len, x, 0.0).astype(ckv_ref.dtype)
