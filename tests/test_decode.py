@@ -43,17 +43,31 @@ def _check(batch, q_nope, q_rope, kind, impl, *, scale, causal=True):
   err = rel_l2(out, ref)
   assert err < BOUND[kind], err
   if kind == "fp8":  # what remains once the inputs are rounded as the path rounds them
-    q_deq = (quant.dequantize_query(*quant.quantize_query(q_nope, q_rope)) if impl == "emulate"
+    quantizes_q = impl in ("emulate", "pallas")
+    q_deq = (quant.dequantize_query(*quant.quantize_query(q_nope, q_rope)) if quantizes_q
              else (q_nope, q_rope))
     ckv, k_rope = batch.caches[kind].fetch_dequant(batch.block_table, batch.seq_lens,
                                                    dtype=jnp.float32)
     ref_deq, _ = mla_decode_reference(*q_deq, ckv, k_rope, batch.seq_lens,
                                       softmax_scale=scale, causal=causal)
-    assert rel_l2(out, ref_deq) < (P_QUANT_BOUND if impl == "emulate" else BOUND["bf16"])
+    assert rel_l2(out, ref_deq) < (P_QUANT_BOUND if quantizes_q else BOUND["bf16"])
   finite = np.isfinite(ref_lse)
   np.testing.assert_array_equal(np.isfinite(lse), finite)
   assert np.max(np.abs(np.asarray(lse)[finite] - np.asarray(ref_lse)[finite])) < LSE_BOUND[kind]
   return err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("seq_lens, s_q, heads", [
+    ([2, 3000], 2, 16),
+    ([100, 1500, 64, 1, 9000], 1, 128),
+])
+def test_gpu_kernels_match_fp32_reference(kind, seq_lens, s_q, heads):
+  """``impl="pallas"`` end to end: the FP8 path's Fused-Q-Quant, the kernel and the combine."""
+  batch = make_paged_batch(len(seq_lens) + heads, seq_lens, page_size=64)
+  q_nope, q_rope = make_queries(heads, len(seq_lens), s_q, heads)
+  _check(batch, q_nope, q_rope, kind, "pallas", scale=576 ** -0.5)
 
 
 @pytest.mark.parametrize("kind, impl", PATHS)
