@@ -60,7 +60,7 @@ sees the first ``W - N + i + 1``)."""
 
 
 def _bf16(x: jax.Array) -> jax.Array:
-  return x.astype(jnp.bfloat16).astype(jnp.float32)
+  return quant.keep_rounding(x.astype(jnp.bfloat16)).astype(jnp.float32)
 
 
 def _paged(ckv, k_rope, kind):

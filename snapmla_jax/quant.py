@@ -49,6 +49,20 @@ def to_e4m3(x: jax.Array) -> jax.Array:
   return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(FP8)
 
 
+def keep_rounding(values):
+  """``values`` (E4M3, BF16 arrays, or a tuple of them) behind ``lax.optimization_barrier``, for a conversion back to
+  f32 that may share a jit with the rounding that made them (fake quantization,
+  emulations).
+
+  With ``xla_allow_excess_precision`` (on by default) XLA's GPU compiler folds
+  ``convert(convert(x, e4m3), f32)`` into ``x``, so the rounding silently vanishes: on the
+  H100, per-tensor FP8 round-tripped inside one jit came back with a relative error of
+  1e-7. Values read from memory (a cache) need no barrier. XLA only: Mosaic GPU kernels
+  dequantize with ``dequantize_rows``.
+  """
+  return jax.lax.optimization_barrier(values)
+
+
 def quantize_tokens(content: jax.Array, rope: jax.Array):
   """``quantize_latent`` / ``quantize_query`` without their checks: ``content [..., C]``,
   ``rope [..., R]`` -> ``(e4m3 [..., C], scale f32 [...], bf16 [..., R])``.
@@ -98,7 +112,9 @@ def quantize_latent(ckv: jax.Array, k_rope: jax.Array):
 
 def dequantize_latent(content: jax.Array, scale: jax.Array, rope: jax.Array,
                       dtype=jnp.float32):
-  """Inverse of ``quantize_latent``: ``(ckv [..., 512], k_rope [..., 64])``."""
+  """Inverse of ``quantize_latent``: ``(ckv [..., 512], k_rope [..., 64])``. Exact in the
+  same jit as the quantization (``keep_rounding``)."""
+  content, rope = keep_rounding((content, rope))
   return dequantize_rows(content, scale, dtype), dequantize_rows(rope, scale, dtype)
 
 
@@ -204,13 +220,14 @@ def quantize_per_block(x: jax.Array, block_tokens: int = 64, block_channels: int
 
 def dequantize_per_block(values: jax.Array, scale: jax.Array, block_tokens: int = 64,
                          block_channels: int = 128) -> jax.Array:
-  """Inverse of ``quantize_per_block``, in fp32."""
+  """Inverse of ``quantize_per_block``, in fp32 (``keep_rounding``)."""
   full = jnp.repeat(jnp.repeat(scale, block_tokens, axis=-2), block_channels, axis=-1)
-  return values.astype(jnp.float32) * full
+  return keep_rounding(values).astype(jnp.float32) * full
 
 
 def dequantize(values: jax.Array, scale: jax.Array) -> jax.Array:
-  """``values * scale`` in fp32, for the per-token/tensor/channel forms."""
+  """``values * scale`` in fp32, for the per-token/tensor/channel forms
+  (``keep_rounding``)."""
   if scale.ndim == values.ndim - 1:
     scale = scale[..., None]
-  return values.astype(jnp.float32) * scale
+  return keep_rounding(values).astype(jnp.float32) * scale

@@ -127,6 +127,7 @@ def snapmla_emulate(q_nope: jax.Array, q_rope: jax.Array, cache, block_table: ja
   k_r = jnp.where(valid_k[..., None], k_r.astype(jnp.float32), 0.0)
   k_s = jnp.where(valid_k, k_s, 0.0)
 
+  q_c, q_r = quant.keep_rounding((q_c, q_r))  # rounded in this jit
   scores = (jnp.einsum("bqhc,bkc->bqhk", q_c.astype(jnp.float32), k_c, **hi)
             + jnp.einsum("bqhr,bkr->bqhk", q_r.astype(jnp.float32), k_r, **hi))
   scores = scores * (q_s[..., None] * softmax_scale) * k_s[:, None, None, :]
@@ -144,7 +145,8 @@ def snapmla_emulate(q_nope: jax.Array, q_rope: jax.Array, cache, block_table: ja
   e = jnp.exp(scores - m_k[..., None])  # masked: exp(-inf) = 0
   e_fused = e * blocked(jnp.broadcast_to(k_s[:, None, None, :], mask.shape[:2] + (heads, s_k)), 0.0)
   sigma = jnp.maximum(jnp.max(e_fused, axis=-1) * quant.INV_E4M3_MAX, quant.SCALE_EPS)
-  p_q = quant.to_e4m3(e_fused * (1.0 / sigma)[..., None]).astype(jnp.float32)
+  p_q = quant.keep_rounding(quant.to_e4m3(e_fused * (1.0 / sigma)[..., None]))
+  p_q = p_q.astype(jnp.float32)
 
   m_last = m_k[..., -1:]
   decay = jnp.exp(m_k - m_last)  # exp(m_k - m_K)
