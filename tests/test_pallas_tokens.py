@@ -93,7 +93,7 @@ def test_interpret_fetch_dequant_matches_xla_bit_for_bit(dtype):
   assert np.isnan(np.asarray(got[0][0], np.float32)).any()  # the inf token, as XLA has it
 
 
-def test_both_kernels_lower_for_cuda_at_production_sizes():
+def test_kernels_lower_for_cuda_at_production_sizes():
   cache = jax.eval_shape(lambda: PagedLatentCache.create(4096, kind="fp8"))
   for tokens in (128, 4096):
     args = (jax.ShapeDtypeStruct((tokens, 512), jnp.bfloat16),
@@ -110,10 +110,11 @@ def test_both_kernels_lower_for_cuda_at_production_sizes():
   assert "mosaic_gpu" in lowered.as_text()
   table = jax.ShapeDtypeStruct((8, 256), jnp.int32)
   lens = jax.ShapeDtypeStruct((8,), jnp.int32)
-  lowered = jax.jit(lambda *a: _fetch_dequant(*a, dtype=jnp.dtype(jnp.bfloat16),
-                                              interpret=False)).trace(
-      cache.content, cache.scale, cache.rope, table, lens).lower(lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+  for dtype in (jnp.bfloat16, jnp.float32):
+    lowered = jax.jit(lambda *a: _fetch_dequant(*a, dtype=jnp.dtype(dtype),
+                                                interpret=False)).trace(
+        cache.content, cache.scale, cache.rope, table, lens).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_rejects_a_bf16_cache_and_unknown_impls():

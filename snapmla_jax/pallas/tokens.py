@@ -36,6 +36,9 @@ from snapmla_jax.pallas import common
 TOKENS = 64
 """Rows (tokens, or query (token, head) pairs) per CTA: one WGMMA-layout tile."""
 
+FETCH_CHUNK = 128
+"""Latent dims per Fused-Fetch-Dequant store (the E4M3 tile's swizzle width)."""
+
 
 def _load_tile(refs_and_smems, first, bars):
   """TMAs rows ``[first, first + TOKENS)`` of each GMEM ref into its SMEM buffer."""
@@ -207,14 +210,11 @@ def _append(content, scale, rope, ckv, k_rope, slots, *, interpret: bool):
 
 def _fetch_kernel(bt_ref, lens_ref, content_ref, scale_ref, rope_ref,   # inputs (GMEM)
                   ckv_ref, k_rope_ref,                                  # outputs (GMEM)
-                  content_smem, scale_smem, rope_smem, bars):
+                  content_smem, scale_smem, rope_smem, out_smem, rope_out_smem, bars):
   b, page_index = lax.axis_index("batch"), lax.axis_index("page")
   seq_len = lens_ref[b]
   first_token = page_index * TOKENS
   tokens = pl.ds(first_token, TOKENS)
-  chunk = 128  # the E4M3 tile's swizzle width
-  zeros = lambda cols: plgpu.layout_cast(jnp.zeros((TOKENS, cols), ckv_ref.dtype),
-                                         plgpu.Layout.WGMMA)
 
   @pl.when(first_token < seq_len)  # only pages that hold tokens are read
   def _():
@@ -224,24 +224,31 @@ def _fetch_kernel(bt_ref, lens_ref, content_ref, scale_ref, rope_ref,   # inputs
       plgpu.copy_gmem_to_smem(src.at[page], dst, bars.at[i])
     for i in range(3):
       plgpu.barrier_wait(bars.at[i])
-    scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
 
-    def dequantize(tile):  # as quant.dequantize_latent, then fetch_dequant's tail mask
-      x = quant.dequantize_rows(tile, scale)
-      token = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
-                                     layout=plgpu.Layout.WGMMA) + first_token
-      return jnp.where(token < seq_len, x, 0.0).astype(ckv_ref.dtype)
+  # A page past seq_len was not read: its SMEM holds garbage, and the mask zeroes all of it.
+  scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
 
-    for c in range(0, common.CONTENT_DIM, chunk):
-      ckv_ref[b, tokens, pl.ds(c, chunk)] = dequantize(
-          plgpu.load(content_smem.at[:, pl.ds(c, chunk)], layout=plgpu.Layout.WGMMA))
-    k_rope_ref[b, tokens] = dequantize(plgpu.load(rope_smem, layout=plgpu.Layout.WGMMA))
+  def dequantize(tile):  # as quant.dequantize_latent, then fetch_dequant's tail mask
+    x = quant.dequantize_rows(tile, scale)
+    token = plgpu.broadcasted_iota(jnp.int32, tile.shape, 0,
+                                   layout=plgpu.Layout.WGMMA) + first_token
+    return jnp.where(token < seq_len, x, 0.0).astype(ckv_ref.dtype)
 
-  @pl.when(first_token >= seq_len)
-  def _():
-    for c in range(0, common.CONTENT_DIM, chunk):
-      ckv_ref[b, tokens, pl.ds(c, chunk)] = zeros(chunk)
-    k_rope_ref[b, tokens] = zeros(common.ROPE_DIM)
+  # Registers -> SMEM -> TMA store: whole rows of the output, where direct stores from the
+  # WGMMA layout write 4-8 bytes per thread and row. Two staging buffers: a chunk is
+  # dequantized while the store of the one before is in flight.
+  for i, c in enumerate(range(0, common.CONTENT_DIM, FETCH_CHUNK)):
+    staging = out_smem.at[i % 2]
+    if i >= 2:
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk i - 2 has left this buffer
+    staging[...] = dequantize(
+        plgpu.load(content_smem.at[:, pl.ds(c, FETCH_CHUNK)], layout=plgpu.Layout.WGMMA))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(staging, ckv_ref.at[b, tokens, pl.ds(c, FETCH_CHUNK)])
+  rope_out_smem[...] = dequantize(plgpu.load(rope_smem, layout=plgpu.Layout.WGMMA))
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(rope_out_smem, k_rope_ref.at[b, tokens])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def fetch_dequant_fp8(content: jax.Array, scale: jax.Array, rope: jax.Array,
@@ -250,7 +257,8 @@ def fetch_dequant_fp8(content: jax.Array, scale: jax.Array, rope: jax.Array,
   """``PagedLatentCache.fetch_dequant`` of an FP8 cache in one launch, the same bits.
 
   One CTA per (sequence, page): the page's content, scales and RoPE by TMA, dequantized
-  in registers, stored; a page past ``seq_len`` is not read and comes out zero.
+  in registers, staged in SMEM and stored by TMA; a page past ``seq_len`` is not read and
+  comes out zero.
 
   Args:
     content: e4m3 ``[num_pages, 64, 512]``; scale: f32 ``[num_pages, 64]``;
@@ -291,6 +299,8 @@ def _fetch_dequant(content, scale, rope, block_table, seq_lens, *, dtype, interp
           common.smem((TOKENS, common.CONTENT_DIM), quant.FP8),
           plgpu.SMEM((TOKENS,), jnp.float32),
           common.smem((TOKENS, common.ROPE_DIM), jnp.bfloat16),
+          common.smem((2, TOKENS, FETCH_CHUNK), dtype),
+          common.smem((TOKENS, common.ROPE_DIM), dtype),
           plgpu.Barrier(num_barriers=3),
       ],
       interpret=common.interpret_params(interpret),
