@@ -193,3 +193,19 @@ def test_sharded_allocator_checks():
   np.testing.assert_array_equal(alloc.global_block_table()[2, :2], [4, 5])
   with pytest.raises(ValueError, match="outside the batch"):
     alloc.allocate(4, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_gpu_kernels_under_shard_map_equal_one_device(kind):
+  """The Mosaic GPU kernels run per device inside ``shard_map``: on the one-GPU mesh
+  (1, 1) the sharded decode gives the single-device kernel's bits."""
+  (cache, block_table, seq_lens), = _dp_shards(1, kind)
+  q_nope, q_rope = make_queries(0, len(SEQ_LENS), 2, HEADS)
+  want = mla_decode(q_nope, q_rope, cache, block_table, seq_lens, impl="pallas")
+  mesh = make_mesh(1, 1)
+  decode = jax.jit(mla_decode_sharded, static_argnames=("mesh", "impl"))
+  got = decode(q_nope, q_rope, shard_cache(cache, mesh), block_table, seq_lens, mesh=mesh,
+               impl="pallas")
+  for got_part, want_part in zip(got, want):  # (out, lse)
+    np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
