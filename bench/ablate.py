@@ -64,6 +64,9 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
 }
 
+# Both P V warpgroups idle but for their barriers: what is left is the softmax warpgroup's chain.
+ABLATIONS["pv_wgs_idle"] = ABLATIONS["no_vt_build"] + ABLATIONS["no_pv"]
+
 
 def variant(name: str):
   """The kernel module with ablation ``name`` applied, as a fresh module."""
