@@ -3,10 +3,11 @@
 ``mla_decode_fp8(..., schedule="seesaw")``. The paper's Algorithm 1 (and FlashMLA's
 schedule): warpgroup ``h`` owns output dims ``[256 h, 256 h + 256)`` and the pages of
 steps ``s = h, h + 2, ...``. For its own page it runs ``S = Q K^T`` (E4M3 + BF16 RoPE
-wgmma, as ``mla_decode_fp8``), the softmax and the quantization of ``P'``; for every page
-it builds its half of V (V^T on ``pv="fp8"``) and accumulates its half of ``P_q V``. Each
-warpgroup thus does half the softmax work of ``schedule="softmax_wg"``'s single softmax
-warpgroup, and with two warpgroups instead of three every thread may hold 255 registers.
+wgmma, as ``mla_decode_fp8``), builds both halves of the page's V (V^T on ``pv="fp8"``)
+under that GEMM, as the paper's Algorithm 1 does, then the softmax and the quantization
+of ``P'``; for every page it accumulates its half of ``P_q V``. Each warpgroup thus does
+half the softmax work of ``schedule="softmax_wg"``'s single softmax warpgroup, and with
+two warpgroups instead of three every thread may hold 255 registers.
 
 The softmax of page ``s`` is taken relative to the page's own row max ``m_loc``, so the
 heavy part (exp2, row sums, the block max of ``P'``) does not wait for page ``s - 1``.
@@ -23,13 +24,17 @@ which is the emulation's ``P'`` quantization (``P' = P'_loc beta``, block max
 P_q V`` with ``O = sigma_s acc``. Steps stay in strictly increasing order in each
 warpgroup's accumulator.
 
-Measured on the H200 (bench/RESULTS.md, 2026-12-06): correct, and slower than
-``"softmax_wg"`` (0.85x at b32 h128 16k): the same instructions per page on 8 warps per SM
-instead of 12 hide less latency. Kept as the base for the next attempts.
+Measured on the H200 (bench/RESULTS.md, 2026-12-06, 12c9ba8): correct, and slower than
+``"softmax_wg"`` (0.85x at b32 h128 16k). That version had each warpgroup build its V half
+of every page, the other's after its two P V GEMMs, off any GEMM's shadow; the owner now
+builds both halves under its QK (not yet timed).
 
-SMEM: the query tile, a 2-slot ring of pages (page ``t`` in slot ``t % 2``, refilled by
-the warpgroup that does not own it), each warpgroup's V halves of two pages, ``P_q`` and the combined
-state of four steps (step ``s`` in buffer ``s % 4``, written by its owner).
+SMEM: the query tile, a 2-slot ring of pages (page ``t`` in slot ``t % 2``: its owner
+reads it alone, and refills the slot with page ``t + 2`` once its QK and V are done), the
+two V halves of two pages (page ``t``'s in buffer ``t % 2``), ``P_q`` and the combined
+state of four steps (step ``s`` in buffer ``s % 4``, written by its owner). The other
+warpgroup's ``P_q V`` of step ``s`` releases (``p_free``) its V halves, ``P_q`` and
+state, which the owner waits for at step ``s + 2``, before it overwrites the V halves.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, Pv
 NUM_WARPGROUPS = 2
 STAGES = 2   # page t in slot t % 2: a slot's pages all belong to warpgroup t % 2
 BUFFERS = 4  # P_q and combined state of step s in buffer s % 4 (owner s % 2)
+V_BUFFERS = 2  # both V halves of page t in buffer t % 2
 _M, _L, _SIGMA, _GAMMA = range(4)  # rows of a state buffer
 
 
@@ -61,13 +67,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             out_ref, lse_ref,                                    # outputs (GMEM)
             qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v0_smem, v1_smem, p_smem,
             state_smem, lse_smem,                                # SMEM
-            q_bar, kv_ready, kv_free, state_ready, p_ready, p_free,  # barriers
+            q_bar, kv_ready, state_ready, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
             in_place: bool):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
                                                                              lens_ref)
   wg = lax.axis_index("wg")
-  v_smem = (v0_smem, v1_smem)  # each warpgroup's V halves of two pages (V^T on fp8)
+  v_smem = (v0_smem, v1_smem)  # V half h of two pages, read by warpgroup h (V^T on fp8)
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
     v16_smem = tuple(views[1] for views in v_smem)
@@ -90,44 +96,27 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     other = 1 - half
 
     def prepare_v(step):
-      """This half of page ``step``'s V (V^T) into its buffer; the caller waited for the
-      page's content."""
-      slot, buf = lax.rem(step, STAGES), lax.rem(step, 2)
+      """Both halves of page ``step``'s V (V^T) into their buffers; the caller waited for
+      the page's content and for the other warpgroup's release of step ``step - 2``."""
+      slot, buf = lax.rem(step, STAGES), lax.rem(step, V_BUFFERS)
       first_token = (first_page + step) * PAGE_SIZE
       for masked in (False, True):  # only a partial page is masked
         @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
         def _():
-          if pv_impl == "f16":
-            dequantize_v_half(kc_smem.at[slot], v_smem[half].at[buf], half, first_token,
-                              seq_len, masked)
-          else:
-            transpose_v_half(kc16_smem.at[slot], v16_smem[half].at[buf], half, first_token,
-                             seq_len, masked)
-      plgpu.commit_smem()
-
-    def prepare_others_v(step):
-      """V of the other warpgroup's page ``step``, this warpgroup's release of it, and the
-      refill of its slot: the owner releases a page after its QK, early in its step, so
-      its slot is refilled by the other warpgroup, whose V build comes later."""
-      slot = lax.rem(step, STAGES)
-
-      @pl.when(step < num_steps)
-      def _():
-        plgpu.barrier_wait(kv_bar(step, _CONTENT))
-        prepare_v(step)
-        plgpu.barrier_arrive(kv_free.at[slot])
-
-      @pl.when(step + STAGES < num_steps)
-      @jax.named_scope("refill")
-      def _():
-        plgpu.barrier_wait(kv_free.at[slot])
-        issue_copies(step + STAGES)
+          for h in range(NUM_WARPGROUPS):
+            if pv_impl == "f16":
+              dequantize_v_half(kc_smem.at[slot], v_smem[h].at[buf], h, first_token,
+                                seq_len, masked)
+            else:
+              transpose_v_half(kc16_smem.at[slot], v16_smem[h].at[buf], h, first_token,
+                               seq_len, masked)
+      plgpu.commit_smem()  # also a warpgroup barrier: every read of the slot is done
 
     def accumulate(step, acc):
       """``acc * gamma_step + P_q V`` of page ``step``: P_q and the state in SMEM."""
       buf = lax.rem(step, BUFFERS)
       gamma = load_rows(state_smem.at[buf, _GAMMA])
-      v = v_smem[half].at[lax.rem(step, 2)]
+      v = v_smem[half].at[lax.rem(step, V_BUFFERS)]
       return common.accumulate_pv(acc * common.row_broadcast(gamma, acc.shape),
                                   p_smem.at[buf], v if pv_impl == "f16" else v.T,
                                   in_place=in_place)
@@ -141,8 +130,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return acc
 
     def own_step(j, acc, *, q_scale, masked: bool):
-      """Page ``s = 2 j + half``: QK (V built under it), local softmax, combine, P_q; then
-      ``P V`` of pages ``s - 1`` and ``s``, and the V of page ``s + 1``."""
+      """Page ``s = 2 j + half``: QK (both V halves built under it), the refill of its
+      slot, local softmax, combine, P_q; then ``P V`` of pages ``s - 1`` and ``s``."""
       step = 2 * j + half
       slot, buf = lax.rem(step, STAGES), lax.rem(step, BUFFERS)
       first_token = (first_page + step) * PAGE_SIZE
@@ -153,16 +142,23 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           plgpu.barrier_wait(kv_bar(step, _ROPE))
         plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)
         plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
-        with jax.named_scope("prepare_v"):
-          prepare_v(step)
         plgpu.barrier_wait(kv_bar(step, _SCALE))
         k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
+        with jax.named_scope("wait_v_free"):
+          @pl.when(step >= 2)
+          def _():  # the other warpgroup is done with step - 2: V halves, P_q and state
+            plgpu.barrier_wait(p_free.at[lax.rem(step - 2, BUFFERS)])
+        with jax.named_scope("prepare_v"):
+          prepare_v(step)
         with jax.named_scope("wait_qk"):
           return s_ref[...], k_scale
 
       scores, k_scale = pl.run_scoped(qk_under_v, plgpu.ACC((QUERY_TILE, PAGE_SIZE),
                                                             jnp.float32))
-      plgpu.barrier_arrive(kv_free.at[slot])  # QK, scales and this half's V are done
+
+      @pl.when(step + STAGES < num_steps)
+      def _():  # QK, scales and V of this page are done: the slot takes page step + 2
+        issue_copies(step + STAGES)
       k_scale = lax.broadcast_in_dim(k_scale, scores.shape, [1])
 
       with jax.named_scope("softmax"):  # relative to the page's own max: no wait
@@ -197,9 +193,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         sigma = jnp.where(has_p, jnp.maximum(block_max * quant.INV_E4M3_MAX, quant.SCALE_EPS),
                           sigma_prev)
 
-        @pl.when(step >= BUFFERS)
-        def _():
-          plgpu.barrier_wait(p_free.at[buf])  # the other warpgroup is done with step - 4
+        # P_q and state buffer ``buf`` were last used by step - 4: released at step - 2.
         for row, value in ((_M, m_new), (_L, l_prev * alpha + l_loc * beta), (_SIGMA, sigma),
                            (_GAMMA, alpha * (sigma_prev / sigma))):
           state_smem.at[buf, row][...] = value
@@ -220,8 +214,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         else:
           acc = accumulate_others(step - 1, acc)
         acc = accumulate(step, acc)
-      with jax.named_scope("prepare_v"):
-        prepare_others_v(step + 1)
       return acc
 
     if half == 0:
@@ -236,8 +228,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     @pl.when(half < num_steps)
     def _():
       issue_copies(half)
-    if half == 1:
-      prepare_others_v(0)
     for i in range(3):
       plgpu.barrier_wait(q_bar.at[i])
     q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2
@@ -270,16 +260,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = (
         acc * common.row_broadcast(norm, acc.shape))
 
-    # Observe the releases that nobody waited for: P buffers and ring slots of this
-    # warpgroup's last pages.
-    for back in range(BUFFERS):
+    # Observe the release that no later step waited for: this warpgroup's last page.
+    for back in range(2):
       @pl.when(jnp.logical_and(last - back >= 0, lax.rem(last - back, 2) == half))
       def _():
         plgpu.barrier_wait(p_free.at[lax.rem(last - back, BUFFERS)])
-    for back in range(STAGES):  # the pages of the other one (this one refills them)
-      @pl.when(jnp.logical_and(last - back >= 0, lax.rem(last - back, 2) == other))
-      def _():
-        plgpu.barrier_wait(kv_free.at[lax.rem(last - back, STAGES)])
 
     if half == 0:
       lse_smem[...] = jnp.where(
@@ -298,7 +283,8 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
   """The kernel, its scratch and its warpgroup count, for ``mla_decode_fp8._decode``."""
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, scale_log2=scale_log2,
                              causal=causal, pv_impl=pv_impl, in_place=in_place)
-  ring, v_buf, p_buf = operand_smem(pv_impl, stages=STAGES, p_buffers=BUFFERS, v_pages=2)
+  ring, v_buf, p_buf = operand_smem(pv_impl, stages=STAGES, p_buffers=BUFFERS,
+                                    v_pages=V_BUFFERS)
   scratch = [
       *query_smem(),
       *ring,
@@ -309,8 +295,6 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=3 * STAGES),
-      # a page is released by its owner (QK, scales, its V half) and the other (its V half)
-      plgpu.Barrier(num_arrivals=NUM_WARPGROUPS, num_barriers=STAGES),
       plgpu.Barrier(num_barriers=BUFFERS),
       plgpu.Barrier(num_barriers=BUFFERS),
       plgpu.Barrier(num_barriers=BUFFERS),
