@@ -5,6 +5,8 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
+#   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
+#                                       two kernels' shape grids, data_path, bench --quick)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +24,11 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
+  verify)  # each part under its own limit, so that a slow one cannot eat the others
+    timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
+      tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
+    timeout 80 bash "$0" data_path
+    timeout 150 bash "$0" bench --quick --skip xla-bf16,fp8-f16 ;;
   bench) python3 bench/kernel.py --md "$OUT/bench.md" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45 ;;
   sass) python3 bench/sass.py --out "$OUT/sass" "$@" 2>&1 | tee "$OUT/sass.log" | tail -50
         tar czf "$OUT/sass.tar.gz" -C "$OUT" sass && rm -rf "$OUT/sass" ;;  # one file comes back
