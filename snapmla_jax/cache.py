@@ -191,8 +191,7 @@ class PagedLatentCache:
       raise ValueError(f'impl must be "xla" or "pallas", got {impl=!r}')
     gathered = self.gather(block_table)
     if self.kind == "fp8":
-      content, scale, rope = gathered  # read from memory: no rounding to keep
-      ckv, k_rope = quant.dequantize_rows(content, scale), quant.dequantize_rows(rope, scale)
+      ckv, k_rope = quant.dequantize_stored(*gathered)
     else:
       latent = gathered[0].astype(jnp.float32)
       ckv, k_rope = latent[..., :self.kv_lora_rank], latent[..., self.kv_lora_rank:]

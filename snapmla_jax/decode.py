@@ -101,9 +101,8 @@ def _decode_pallas(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scal
 
 def _decode_xla(q_nope, q_rope, cache, block_table, seq_lens, *, softmax_scale, causal):
   if cache.kind == "fp8":
-    content, scale, rope = cache.gather(block_table)
-    latent = jnp.concatenate([quant.dequantize_rows(content, scale, jnp.bfloat16),
-                              quant.dequantize_rows(rope, scale, jnp.bfloat16)], axis=-1)
+    latent = jnp.concatenate(quant.dequantize_stored(*cache.gather(block_table),
+                                                     dtype=jnp.bfloat16), axis=-1)
   else:
     (latent,) = cache.gather(block_table)  # [b, T, 576] bf16
   s_q, s_k, rank = q_nope.shape[1], latent.shape[1], cache.kv_lora_rank

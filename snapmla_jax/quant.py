@@ -50,9 +50,9 @@ def to_e4m3(x: jax.Array) -> jax.Array:
 
 
 def keep_rounding(values):
-  """``values`` (E4M3, BF16 arrays, or a tuple of them) behind ``lax.optimization_barrier``, for a conversion back to
-  f32 that may share a jit with the rounding that made them (fake quantization,
-  emulations).
+  """``values`` (E4M3 or BF16 arrays, or a tuple of them) behind
+  ``lax.optimization_barrier``, for a conversion back to f32 that may share a jit with the
+  rounding that made them (fake quantization, emulations).
 
   With ``xla_allow_excess_precision`` (on by default) XLA's GPU compiler folds
   ``convert(convert(x, e4m3), f32)`` into ``x``, so the rounding silently vanishes: on the
@@ -115,6 +115,13 @@ def dequantize_latent(content: jax.Array, scale: jax.Array, rope: jax.Array,
   """Inverse of ``quantize_latent``: ``(ckv [..., 512], k_rope [..., 64])``. Exact in the
   same jit as the quantization (``keep_rounding``)."""
   content, rope = keep_rounding((content, rope))
+  return dequantize_stored(content, scale, rope, dtype)
+
+
+def dequantize_stored(content: jax.Array, scale: jax.Array, rope: jax.Array,
+                      dtype=jnp.float32):
+  """``dequantize_latent`` of values read from memory (a cache), where XLA cannot fold the
+  rounding away: no barrier, so the read and the dequantization fuse."""
   return dequantize_rows(content, scale, dtype), dequantize_rows(rope, scale, dtype)
 
 

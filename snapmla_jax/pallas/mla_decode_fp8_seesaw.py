@@ -67,7 +67,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             out_ref, lse_ref,                                    # outputs (GMEM)
             qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v0_smem, v1_smem, p_smem,
             state_smem, lse_smem,                                # SMEM
-            q_bar, kv_ready, state_ready, p_ready, p_free,           # barriers
+            q_bar, kv_ready, state_ready, p_ready, p_free,       # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
             in_place: bool):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,

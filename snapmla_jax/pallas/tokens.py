@@ -40,10 +40,10 @@ FETCH_CHUNK = 128
 """Latent dims per Fused-Fetch-Dequant store (the E4M3 tile's swizzle width)."""
 
 
-def _load_tile(refs_and_smems, first, bars):
-  """TMAs rows ``[first, first + TOKENS)`` of each GMEM ref into its SMEM buffer."""
+def _load_tile(refs_and_smems, index, bars):
+  """TMAs ``src.at[index]`` of each GMEM ref ``src`` into its SMEM buffer, and waits."""
   for i, (src, dst) in enumerate(refs_and_smems):
-    plgpu.copy_gmem_to_smem(src.at[pl.ds(first, TOKENS)], dst, bars.at[i])
+    plgpu.copy_gmem_to_smem(src.at[index], dst, bars.at[i])
   for i in range(len(refs_and_smems)):
     plgpu.barrier_wait(bars.at[i])
 
@@ -73,7 +73,7 @@ def _check_rows(name_c, content, name_r, rope):
 def _quantize_kernel(content_ref, rope_ref, out_content_ref, out_scale_ref, out_rope_ref,
                      content_smem, rope_smem, q_content_smem, q_scale_smem, q_rope_smem, bars):
   first = lax.axis_index("block") * TOKENS
-  _load_tile(((content_ref, content_smem), (rope_ref, rope_smem)), first, bars)
+  _load_tile(((content_ref, content_smem), (rope_ref, rope_smem)), pl.ds(first, TOKENS), bars)
   q_content, q_scale, q_rope = _quantize_tile(content_smem, rope_smem)
   q_content_smem[...] = q_content
   q_scale_smem[...] = q_scale
@@ -138,8 +138,8 @@ def _kernel(slots_ref, ckv_ref, rope_ref,                      # inputs (GMEM)
             *, page_size: int):
   first = lax.axis_index("block") * TOKENS
   num_slots = content_ref.shape[0] * page_size
-  _load_tile(((ckv_ref, ckv_smem), (rope_ref, rope_smem), (slots_ref, slots_smem)), first,
-             bars)
+  _load_tile(((ckv_ref, ckv_smem), (rope_ref, rope_smem), (slots_ref, slots_smem)),
+             pl.ds(first, TOKENS), bars)
   content, scale, rope = _quantize_tile(ckv_smem, rope_smem)
   content_smem[...] = content
   rope_q_smem[...] = rope
@@ -218,12 +218,8 @@ def _fetch_kernel(bt_ref, lens_ref, content_ref, scale_ref, rope_ref,   # inputs
 
   @pl.when(first_token < seq_len)  # only pages that hold tokens are read
   def _():
-    page = bt_ref[b, page_index]
-    for i, (src, dst) in enumerate(((content_ref, content_smem), (scale_ref, scale_smem),
-                                    (rope_ref, rope_smem))):
-      plgpu.copy_gmem_to_smem(src.at[page], dst, bars.at[i])
-    for i in range(3):
-      plgpu.barrier_wait(bars.at[i])
+    _load_tile(((content_ref, content_smem), (scale_ref, scale_smem), (rope_ref, rope_smem)),
+               bt_ref[b, page_index], bars)
 
   # A page past seq_len was not read: its SMEM holds garbage, and the mask zeroes all of it.
   scale = plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
