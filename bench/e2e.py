@@ -6,7 +6,9 @@ already hold ``context`` tokens per sequence (random latents written straight in
 the pages: a prefill of 128k tokens would cost more device time than it tells).
 Per (cache kind, context): median wall time of a jitted decode step (append + absorbed
 attention in every layer + MLP/MoE + sampling), warm-up excluded, tokens/s = batch /
-step time, and the FP8/BF16 ratio in the same run. The paper's figure 1, on one GPU.
+step time, and the FP8/BF16 ratio in the same run. Two FP8 rows: at the BF16 batch, and
+at the batch that fits in the BF16 cache's memory (``batch * 1152 // 644``: a server whose
+cache memory is full batches that many more sequences). The paper's figure 1, on one GPU.
 
   python bench/e2e.py [--batch 32] [--heads 128] [--layers 2] [--contexts 16384 65536]
                       [--mesh dp=4,tp=2]   (tokens/s per configuration and per device)
@@ -28,6 +30,7 @@ from models.deepseek_v3 import init_random
 from models.generation import DecodeState, decode_step
 from models.sharding import shard_model
 from snapmla_jax import sharding
+from snapmla_jax.cache import PagedLatentCache
 from snapmla_jax.testing import random_pages
 
 
@@ -62,7 +65,6 @@ def decode_step_time(model, kind, batch, context, steps, key, mesh=None):
       step=jnp.asarray(0, jnp.int32))
   graphdef, params = nnx.split(model)
   stop = jnp.asarray([-1], jnp.int32)
-  bytes_per_token = caches[0].bytes_per_token
   times = []
   with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
     for _ in range(steps + 1):
@@ -71,10 +73,10 @@ def decode_step_time(model, kind, batch, context, steps, key, mesh=None):
                                   None, temperature=0.0, top_p=1.0)
       jax.block_until_ready(logits)
       times.append(time.perf_counter() - t0)
-  return statistics.median(times[1:]), bytes_per_token  # the first step compiles
+  return statistics.median(times[1:])  # the first step compiles
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--heads", type=int, default=128)
@@ -83,8 +85,12 @@ def main():
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--md", default=None, help="also write the table here")
   parser.add_argument("--mesh", default=None, help="dp=D,tp=T: decode on D * T devices")
-  args = parser.parse_args()
-  cfg = DeepseekV3Config.demo(num_attention_heads=args.heads, num_hidden_layers=args.layers)
+  parser.add_argument("--small", action="store_true", help="a CPU-sized model (tests)")
+  args = parser.parse_args(argv)
+  small = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=32,
+               q_lora_rank=64, vocab_size=256) if args.small else {}
+  cfg = DeepseekV3Config.demo(num_attention_heads=args.heads, num_hidden_layers=args.layers,
+                              **small)
   model = init_random(cfg, dtype=jnp.bfloat16)
   mesh, devices = None, 1
   if args.mesh:
@@ -93,17 +99,22 @@ def main():
     devices = mesh.size
     model = shard_model(model, mesh)
   key = jax.random.key(0)
-  lines = ["| context | cache | bytes/token/layer | step (ms) | tokens/s | tokens/s/device "
-           "| FP8 / BF16 |", "|---|---|---|---|---|---|---|"]
+  bytes_per_token = {kind: PagedLatentCache.create(1, kind=kind, kv_lora_rank=cfg.kv_lora_rank,
+                                                  rope_dim=cfg.qk_rope_head_dim).bytes_per_token
+                     for kind in ("bf16", "fp8")}
+  equal_memory_batch = (args.batch * bytes_per_token["bf16"] // bytes_per_token["fp8"]
+                        // devices * devices)
+  runs = [("bf16", args.batch), ("fp8", args.batch), ("fp8", equal_memory_batch)]
+  lines = ["| context | cache | batch | bytes/token/layer | step (ms) | tokens/s "
+           "| tokens/s/device | x BF16 |", "|---|---|---|---|---|---|---|---|"]
   for context in args.contexts:
-    rates = {}
-    for kind in ("bf16", "fp8"):
-      seconds, nbytes = decode_step_time(model, kind, args.batch, context, args.steps, key,
-                                         mesh)
-      rates[kind] = args.batch / seconds
-      ratio = f"{rates['fp8'] / rates['bf16']:.2f}" if kind == "fp8" else ""
-      lines.append(f"| {context} | {kind} | {nbytes} | {seconds * 1e3:.3f} | "
-                   f"{rates[kind]:.0f} | {rates[kind] / devices:.0f} | {ratio} |")
+    rates = []
+    for kind, batch in runs:
+      seconds = decode_step_time(model, kind, batch, context, args.steps, key, mesh)
+      rates.append(batch / seconds)
+      lines.append(f"| {context} | {kind} | {batch} | {bytes_per_token[kind]} | "
+                   f"{seconds * 1e3:.3f} | {rates[-1]:.0f} | {rates[-1] / devices:.0f} | "
+                   f"{rates[-1] / rates[0]:.2f} |")
       print(lines[-1], flush=True)
   header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}: batch {args.batch}, "
             f"{args.heads} heads, {args.layers} layers, mesh {args.mesh or 'dp=1,tp=1'}")

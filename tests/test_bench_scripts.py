@@ -24,3 +24,13 @@ def test_every_kernel_ablation_still_applies():
   from bench import ablate
   for name in ablate.ABLATIONS:
     assert hasattr(ablate.variant(name), "mla_decode_fp8"), name
+
+
+def test_e2e_small_run(tmp_path):
+  from bench import e2e
+  e2e.main(["--small", "--heads", "16", "--layers", "2", "--batch", "2", "--contexts", "100",
+            "--steps", "1", "--md", str(tmp_path / "e2e.md")])
+  rows = [line.split(" | ") for line in (tmp_path / "e2e.md").read_text().splitlines()
+          if line.startswith("| 100 ")]
+  assert [(r[1], r[2], r[3]) for r in rows] == [("bf16", "2", "1152"), ("fp8", "2", "644"),
+                                                ("fp8", "3", "644")]
