@@ -66,6 +66,24 @@ ABLATIONS = {  # name: [(old source, new source), ...]
 
 # Both P V warpgroups idle but for their barriers: what is left is the softmax warpgroup's chain.
 ABLATIONS["pv_wgs_idle"] = ABLATIONS["no_vt_build"] + ABLATIONS["no_pv"]
+# The softmax warpgroup's chain taken apart (P V warpgroups idle in each): its page loads
+# from L2 only, without the RoPE QK, without P's store, and with no softmax at all
+# (P_q = S: QK, the barriers, P's store and the SMEM fence remain).
+ABLATIONS["idle_same_page"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["same_page"]
+ABLATIONS["idle_no_rope_qk"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_rope_qk"]
+ABLATIONS["idle_no_store_p"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_store_p"]
+ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
+    ("m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,\n"
+     "                                                              visible)",
+     "m_new, alpha, p, l_new = m_i, l_i * 0.0 + 1.0, s, l_i"),
+    ("p_fused = p * k_scale\n", "p_fused = p\n"),
+    ("          p_max = p_fused.max(axis=1)\n", ""),
+    ("sigma = jnp.where(p_max > 0,\n"
+     "                            jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)",
+     "sigma = sigma_i"),
+    ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",
+     "p_q = p_fused.astype(_FP8)"),
+]
 
 
 def variant(name: str):
