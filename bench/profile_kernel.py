@@ -1,8 +1,8 @@
 """Where the decode kernels spend their time: Mosaic GPU's in-kernel trace, summarized.
 
 Runs each kernel once with ``SNAPMLA_PROFILE_DIR`` set, so that every warpgroup records
-the ``jax.named_scope`` regions of its loop (the first 512 events: the trace buffer is in
-SMEM) (``wait_kv``, ``qk``, ``softmax``, ``pv``, ...),
+the ``jax.named_scope`` regions of its loop (the first 256 per warpgroup: the trace buffer
+is in SMEM; enough for the default 32 page-steps per CTA) (``wait_kv``, ``qk``, ``softmax``, ``pv``, ...),
 and prints, per kernel and warpgroup, the mean time per CTA in each region and its share
 of the CTA's span. Differential timing without hardware counters (METHOD.md).
 
@@ -48,8 +48,8 @@ def main():
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--heads", type=int, default=128)
   parser.add_argument("--context", type=int, default=4096)
-  parser.add_argument("--fp8-stages", type=int, default=2,
-                      help="ring depth: the trace buffer needs SMEM that the 3-stage ring uses")
+  parser.add_argument("--fp8-stages", type=int, default=None,
+                      help="ring depth (TuningConfig.num_stages; the kernel's default if unset)")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
