@@ -79,7 +79,8 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
     ("p_fused = p * k_scale\n", "p_fused = p\n"),
     ("          p_max = p_fused.max(axis=1)\n", ""),
     ("sigma = jnp.where(p_max > 0,\n"
-     "                            jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)",
+     "                            jnp.maximum(p_max * quant.INV_E4M3_MAX, "
+     "quant.SCALE_EPS), sigma_i)",
      "sigma = sigma_i"),
     ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",
      "p_q = p_fused.astype(_FP8)"),

@@ -1,9 +1,9 @@
 """Where the decode kernels spend their time: Mosaic GPU's in-kernel trace, summarized.
 
 Runs each kernel once with ``SNAPMLA_PROFILE_DIR`` set, so that every warpgroup records
-the ``jax.named_scope`` regions of its loop (the first 256 per warpgroup: the trace buffer
-is in SMEM; enough for the default 32 page-steps per CTA) (``wait_kv``, ``qk``, ``softmax``, ``pv``, ...),
-and prints, per kernel and warpgroup, the mean time per CTA in each region and its share
+the ``jax.named_scope`` regions of its loop (``wait_kv``, ``softmax``, ``pv``, ...; the
+first 256 per warpgroup, enough for the default 32 page-steps per CTA: the trace buffer is
+in SMEM), and prints, per kernel and warpgroup, the mean time per CTA in each region and its share
 of the CTA's span. Differential timing without hardware counters (METHOD.md).
 
   python bench/profile_kernel.py [--batch 32 --heads 128 --context 4096] --out DIR
