@@ -7,7 +7,7 @@ shared-memory traffic, local memory = spills, conversions, special functions, sh
 barriers). The SASS comes from the cubin in Mosaic's MLIR dump, through ``cuobjdump``
 (found on PATH or under /usr/local/cuda*/bin; the H200 image has it).
 
-  python bench/sass.py --out DIR [--batch 8 --heads 128 --context 2048]
+  python bench/sass.py --out DIR [--batch 8 --heads 128 --context 2048] [--only fp8-fp8,...]
 """
 
 from __future__ import annotations
@@ -92,10 +92,13 @@ def main():
   parser.add_argument("--heads", type=int, default=128)
   parser.add_argument("--context", type=int, default=2048)
   parser.add_argument("--out", required=True)
+  parser.add_argument("--only", default="", help="comma-separated kernels (default: all)")
   args = parser.parse_args()
 
   from bench.kernel import impls, make_inputs
-  kernels = {k: v for k, v in impls().items() if k != "xla-bf16"}
+  only = set(filter(None, args.only.split(",")))
+  kernels = {k: v for k, v in impls().items()
+             if k != "xla-bf16" and (not only or k in only)}
   q, r, caches, bt, sl = make_inputs(args.batch, args.heads, 1, args.context, {"bf16", "fp8"})
   rows = []
   for name, (kind, f) in kernels.items():
