@@ -64,6 +64,12 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     "one_stage_less": [('DEFAULT_STAGES = {"fp8_regs": 4, "fp8": 3, "f16": 2}',
                         'DEFAULT_STAGES = {"fp8_regs": 3, "fp8": 2, "f16": 2}')],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
+    "q_in_registers": [  # QK's A operand from registers: half of QK's SMEM reads
+        ("    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n",
+         "    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n"
+         "    q_regs = plgpu.load(qc_smem, layout=plgpu.Layout.WGMMA_8BIT)\n"),
+        ("plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)", "plgpu.wgmma(s_ref, q_regs, kc_smem.at[slot].T)"),
+    ],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
 }
 
