@@ -97,6 +97,9 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.
 ABLATIONS["idle_skeleton"] = ABLATIONS["idle_no_softmax"] + ABLATIONS["no_rope_qk"] + [
     ("plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)\n", "\n")]
+# Does the skeleton's page rate follow the ring's depth (latency-bound) or not (bandwidth)?
+ABLATIONS["idle_skeleton_one_stage_less"] = (ABLATIONS["idle_skeleton"]
+                                             + ABLATIONS["one_stage_less"])
 
 
 def variant(name: str):
