@@ -26,17 +26,15 @@ ABLATIONS = {  # name: [(old source, new source), ...]
         ("odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))", "odd = hi_rows"),
     ],
     "no_vt_build": [
-        ('(dequantize_v if pv_impl == "f16" else transpose_v)(slot, half, first_token, masked)',
-         "pass"),
-        ("return vt_operand(kc16_smem.at[slot], half, first_token, seq_len, masked)",
-         "return None"),
+        ('    prepare = dequantize_v if pv_impl == "f16" else transpose_v\n',
+         '    prepare = dequantize_v if pv_impl == "f16" else (lambda *a: None)\n'),
     ],
     "no_exp": [
         # The softmax step lives in common: trace it with exp2 as the identity.
         ("common.online_softmax_step(s * k_scale",
          "_without_exp2(common.online_softmax_step)(s * k_scale"),
-        ('PvImpl = Literal["f16", "fp8", "fp8_regs"]\n',
-         'PvImpl = Literal["f16", "fp8", "fp8_regs"]\n\n\n'
+        ('PvImpl = Literal["f16", "fp8"]\n',
+         'PvImpl = Literal["f16", "fp8"]\n\n\n'
          'def _without_exp2(f):\n'
          '  def traced(*args):\n'
          '    exp2, jnp.exp2 = jnp.exp2, lambda x: x\n'
@@ -51,18 +49,17 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "p_q = p_fused.astype(_FP8)"),
     ],
     "no_store_p": [
-        ("p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:], selector)",
-         "pass"),
+        ("p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])", "pass"),
     ],
     "no_pv": [
-        ("acc = common.accumulate_mma(acc, vt, p_smem.at[buf].T, in_place=in_place)", "pass"),
-        ("acc = common.accumulate_mma(acc, p_smem.at[buf], v, in_place=in_place)", "pass"),
+        ("acc = common.accumulate_pv(acc * common.row_broadcast(factor, acc.shape),\n"
+         "                                   p_smem.at[buf], v, in_place=in_place)",
+         "acc = acc * common.row_broadcast(factor, acc.shape)"),
     ],
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
         ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),
     ],
-    "one_stage_less": [('DEFAULT_STAGES = {"fp8_regs": 4, "fp8": 3, "f16": 2}',
-                        'DEFAULT_STAGES = {"fp8_regs": 3, "fp8": 2, "f16": 2}')],
+    "stages2": [('DEFAULT_STAGES = {"fp8": 3, "f16": 2}', 'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
     "q_in_registers": [  # QK's A operand from registers: half of QK's SMEM reads
         ("    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n",

@@ -76,7 +76,6 @@ def impls(fp8_config=None):
       return f
     out["fp8-f16"] = ("fp8", fp8("f16"))
     out["fp8-fp8"] = ("fp8", fp8("fp8"))
-    out["fp8-fp8_regs"] = ("fp8", fp8("fp8_regs"))
     out["fp8-seesaw"] = ("fp8", fp8("fp8", "seesaw"))
   except ImportError:
     pass

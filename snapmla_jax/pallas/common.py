@@ -253,9 +253,8 @@ def zero_acc(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def accumulate_mma(acc, a, b_smem, *, in_place: bool):
-  """``acc + a @ b`` on wgmma: ``a`` in SMEM or registers, ``b`` in SMEM (may be a ``.T``
-  view). P V: ``a = P``, ``b = V``; or ``O^T += V^T P^T``.
+def accumulate_pv(acc, p_smem, v_smem, *, in_place: bool):
+  """``acc + P @ V`` on wgmma, P and V in SMEM (V may be a ``.T`` view).
 
   ``in_place`` accumulates into ``acc``'s registers (``ACC.init``), which the hardware
   path needs to fit 64x256 f32 per warpgroup; GPU interpret mode supports only a zero
@@ -263,11 +262,11 @@ def accumulate_mma(acc, a, b_smem, *, in_place: bool):
   """
   if in_place:
     def accumulate(acc_ref):
-      plgpu.wgmma(acc_ref, a, b_smem)
+      plgpu.wgmma(acc_ref, p_smem, v_smem)
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
   def product(acc_ref):
-    plgpu.wgmma(acc_ref, a, b_smem)
+    plgpu.wgmma(acc_ref, p_smem, v_smem)
     return acc_ref[...]
   return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 

@@ -88,7 +88,7 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
         tile[...] = jnp.where(tokens < seq_len, tile[...], jnp.zeros_like(tile[...]))
 
   def pv(acc, slot, half):
-    return common.accumulate_mma(
+    return common.accumulate_pv(
         acc, p_smem, kv_smem.at[slot, :, half * HALF_DIM:(half + 1) * HALF_DIM],
         in_place=in_place)
 

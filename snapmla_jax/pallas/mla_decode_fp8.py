@@ -42,12 +42,6 @@ zero for a row (masked) keeps the previous scale instead of the epsilon.
   holds token ``u + 32h``, and ``P_q`` is packed in the same order. It also
   de-interleaves the latent dims (column ``n`` of a half holds dim ``2n`` for n < 128,
   ``2(n - 128) + 1`` after), undone by one gather of the merged output.
-* ``"fp8_regs"``: the same E4M3 product turned around, ``O^T += V^T P^T``, so that V^T is
-  the wgmma's A operand, which may live in registers: the two 16-bit transposed loads and
-  one ``prmt`` per register give each thread its fragment of V^T (``vt_operand``), with no
-  V^T in SMEM (no stores, no fence, and the freed 32 KB give the ring a fourth stage).
-  ``P_q`` is the B operand, k-major as stored. Each P·V warpgroup accumulates
-  ``O^T [256, 64]``; the output leaves the kernel transposed per row tile.
 
 Tokens past ``seq_len`` may hold NaN: their scores are masked, their ``P'`` is zeroed and
 their V rows are zeroed before ``P V`` (``0 * NaN`` is NaN).
@@ -74,7 +68,7 @@ from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_TILE,
                                        ROPE_DIM, TuningConfig)
 
-PvImpl = Literal["f16", "fp8", "fp8_regs"]
+PvImpl = Literal["f16", "fp8"]
 Schedule = Literal["softmax_wg", "seesaw"]
 _FP8 = jnp.float8_e4m3fn
 _U16 = jnp.uint16
@@ -83,7 +77,7 @@ _HALF_PAGE = PAGE_SIZE // 2
 SOFTMAX_WG = 0
 PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
-DEFAULT_STAGES = {"fp8_regs": 4, "fp8": 3, "f16": 2}   # what fits in SMEM next to Q, V, P
+DEFAULT_STAGES = {"fp8": 3, "f16": 2}   # what fits in SMEM next to Q, V and P
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
@@ -143,106 +137,45 @@ def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, ma
     vt16_smem.at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
 
 
-def _prmt(a, b, selector: int):
-  """PTX ``prmt.b32``: bytes of the i32 pair ``(a, b)`` (numbered 0-3, 4-7) picked by the
-  four nibbles of ``selector``, lowest first."""
-  i32 = ir.IntegerType.get_signless(32)
-  return llvm.inline_asm(i32, [a, b], f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r")
-
-
-def _as_i32(register):
-  """One 32-bit register (``vector<2xi16>``, ``vector<4xi8>``, ...) as an i32; a 16-bit
-  one (``vector<2xi8>``) zero-extended."""
-  bits = mgpu_utils.bitwidth(register.type)
-  value = mgpu_utils.bitcast(register, ir.IntegerType.get_signless(bits))
-  return value if bits == 32 else arith.extui(ir.IntegerType.get_signless(32), value)
-
-
-def interleave_bytes(lo, hi, selector: int = 0x5140):
-  """u16 ``[rows, cols]`` from 8-bit ``lo``, ``hi`` ``[rows, cols]`` (WGMMA layout), one PTX
-  ``prmt`` per register: each register of the inputs holds the bytes of columns
-  ``(c, c + 1)``, ``lo0 lo1`` and ``hi0 hi1``, and the default ``selector`` gives element
-  (r, c) ``lo[r, c]`` in its low byte and ``hi[r, c]`` in its high byte; ``0x5410`` gives
-  the pairs ``(lo0 lo1)``, ``(hi0 hi1)`` instead. (jnp's u8 -> u16 widening, shifts and
-  masks cost ptxas ~80 instructions per 64x64 tile, and the kernel 2.5% of its time.)"""
+def interleave_bytes(lo, hi):
+  """u16 ``[rows, cols]`` whose element (r, c) holds ``lo[r, c]`` in its low byte and
+  ``hi[r, c]`` in its high byte, for 8-bit ``lo``, ``hi`` ``[rows, cols]`` in the WGMMA
+  layout: one PTX ``prmt`` per register. (jnp's u8 -> u16 widening, shifts and masks cost
+  ptxas ~80 instructions per 64x64 tile, and the kernel 2.5% of its time.)"""
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
                      return_type=plgpu.ShapeDtypeStruct(lo.shape, _U16,
                                                         layout=plgpu.Layout.WGMMA))
   def interleave(_, lo, hi):
-    i16 = ir.IntegerType.get_signless(16)
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+
+    def register(lo_pair, hi_pair):  # 2 bytes each -> (lo0, hi0, lo1, hi1)
+      lo32, hi32 = (arith.extui(i32, mgpu_utils.bitcast(x, i16)) for x in (lo_pair, hi_pair))
+      out = llvm.inline_asm(i32, [lo32, hi32], "prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r")
+      return mgpu_utils.bitcast(out, ir.VectorType.get((2,), i16))
+
     registers = np.empty(lo.registers.shape, dtype=object)
     for index in np.ndindex(registers.shape):
-      out = _prmt(_as_i32(lo.registers[index]), _as_i32(hi.registers[index]), selector)
-      registers[index] = mgpu_utils.bitcast(out, ir.VectorType.get((2,), i16))
+      registers[index] = register(lo.registers[index], hi.registers[index])
     return mgpu.FragmentedArray(_registers=registers, _layout=lo.layout, _is_signed=False)
 
   return interleave(lo, hi)
 
 
-def vt_operand(page16_smem, half: int, first_token, seq_len, masked: bool):
-  """One half of a page's V^T as the register A operand of ``O^T += V^T P^T``
-  (``pv="fp8_regs"``): e4m3 ``[256, 64]`` in the ``WGMMA_8BIT`` layout, never in SMEM.
-
-  Row ``m`` holds latent dim ``256 half + 128 (m // 128) + 2 (m % 64) + (m % 128) // 64``
-  (even dims, then odd, per 128-dim chunk) and column ``k = 16 c + 4 q + 2 h + b`` token
-  ``8 c + 2 q + b + 32 h`` (``store_p_tile`` packs P in that order): the two 16-bit
-  transposed loads of the page (token rows u and u + 32) give each thread the bytes of
-  dims ``(2j, 2j + 1)`` of tokens ``(u, u + 1)`` and ``(u + 32, u + 33)``, which one ``prmt``
-  per register sorts into the 8-bit fragment's four consecutive k.
-
-  Args:
-    page16_smem: u16 ``[64, 256]`` view of one page's e4m3 content ``[64, 512]``.
-    masked: zero the tokens ``>= seq_len`` (the page may hold NaN there).
-  """
-  shape = (64, _HALF_PAGE)  # (u16 columns of the page = pairs of latent dims, u)
-  rows = []
-  for chunk in range(2):  # 128 latent dims = 64 u16 columns each
-    cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
-    lo_rows = plgpu.load(page16_smem.at[:_HALF_PAGE, cols].T, layout=plgpu.Layout.WGMMA)
-    hi_rows = plgpu.load(page16_smem.at[_HALF_PAGE:, cols].T, layout=plgpu.Layout.WGMMA)
-    if masked:
-      token = plgpu.broadcasted_iota(jnp.int32, shape, 1,
-                                     layout=plgpu.Layout.WGMMA) + first_token
-      lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
-      hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
-    rows += [lo_rows, hi_rows]
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 4,
-                     return_type=plgpu.ShapeDtypeStruct((HALF_DIM, PAGE_SIZE), _FP8,
-                                                        layout=plgpu.Layout.WGMMA_8BIT))
-  def sort_bytes(_, *lo_hi):
-    out_layout = mgpu.WGMMA_LAYOUT_8BIT
-    fp8x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
-    registers = np.empty(out_layout.registers_shape((HALF_DIM, PAGE_SIZE)), dtype=object)
-    for chunk in range(2):
-      lo, hi = lo_hi[2 * chunk:2 * chunk + 2]
-      for index in np.ndindex(lo.registers.shape):  # (0, token tile, 0, 0, row half, ...)
-        pair = _as_i32(lo.registers[index]), _as_i32(hi.registers[index])
-        for parity, selector in enumerate((0x6420, 0x7531)):  # dims 2j, 2j + 1
-          registers[(2 * chunk + parity, *index[1:])] = mgpu_utils.bitcast(
-              _prmt(*pair, selector), fp8x4)
-    return mgpu.FragmentedArray(_registers=registers, _layout=out_layout, _is_signed=None)
-
-  return sort_bytes(*rows)
-
-
 def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
   """``P_q`` (e4m3 ``[64, 64]``) into ``p_smem`` in the order of V's rows: f16 ``[64, 64]``
-  for ``pv="f16"``; else the u16 ``[64, 32]`` view of e4m3 ``[64, 64]`` whose column
-  2u + h holds token u + 32h (``pv="fp8"``, as ``transpose_v_half``), or whose u16 column
-  2p + h holds the tokens 2p + 32h and 2p + 32h + 1 (``pv="fp8_regs"``, as ``vt_operand``)."""
+  for ``pv="f16"``; for ``pv="fp8"`` the u16 ``[64, 32]`` view of e4m3 ``[64, 64]`` whose
+  column 2u + h holds token u + 32h, as V^T."""
   if pv_impl == "f16":
     p_smem[...] = p_q.astype(jnp.float16)
   else:
-    selector = 0x5140 if pv_impl == "fp8" else 0x5410
-    p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:], selector)
+    p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])
 
 
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
             lens_ref,                                            # inputs (GMEM)
             out_ref, lse_ref,                                    # outputs (GMEM)
-            qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v_smem, p_smem,
+            qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v0_smem, v1_smem, p_smem,
             factor_smem, lse_smem,                               # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
@@ -250,12 +183,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
                                                                              lens_ref)
   wg = lax.axis_index("wg")
-  # v_smem: each P V warpgroup's half of V (f16) or V^T (fp8); none for fp8_regs.
-  if pv_impl != "f16":  # (fp8, u16) views of the same bytes
+  v_smem = (v0_smem, v1_smem)  # each P V warpgroup's half of V (f16) or V^T (fp8)
+  if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
-  if pv_impl == "fp8":
-    v_smem, vt16_smem = zip(*v_smem)
-  transposed_out = pv_impl == "fp8_regs"  # each P V warpgroup accumulates O^T
+    (vt0_smem, vt0_16), (vt1_smem, vt1_16) = v_smem
+    v_smem, vt16_smem = (vt0_smem, vt1_smem), (vt0_16, vt1_16)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -373,6 +305,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     plgpu.wait_smem_to_gmem(0)
 
   def pv_warpgroup(half: int):
+    prepare = dequantize_v if pv_impl == "f16" else transpose_v
     issues_copies = half == 0
     if issues_copies:
       for step in range(num_stages):
@@ -380,29 +313,18 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         def _():
           issue_copies(step, step)
 
-    def prepare_v(slot, first_token, masked: bool):
-      """This warpgroup's half of the page's V, in SMEM (``None``) or registers."""
-      if pv_impl == "fp8_regs":
-        return vt_operand(kc16_smem.at[slot], half, first_token, seq_len, masked)
-      (dequantize_v if pv_impl == "f16" else transpose_v)(slot, half, first_token, masked)
-      return None
-
-    def rescale(acc, factor_ref):
-      """``acc`` times the per-row factor (per column of ``O^T``)."""
-      if transposed_out:
-        factor = plgpu.load(factor_ref, layout=col_layout)
-        return lax.broadcast_in_dim(factor, acc.shape, [1]) * acc
-      return acc * common.row_broadcast(factor_ref[...], acc.shape)
-
-    def step_fn(step, acc, *, masked: bool):
+    def step_fn(step, acc):
       slot = lax.rem(step, num_stages)
       buf = lax.rem(step, P_BUFFERS)
       first_token = (first_page + step) * PAGE_SIZE
       with jax.named_scope("wait_kv"):
         plgpu.barrier_wait(kv_bar(slot, _CONTENT))
       with jax.named_scope("prepare_v"):
-        vt = prepare_v(slot, first_token, masked)
-        plgpu.commit_smem()  # V's SMEM writes, or every thread's loads of the slot, are done
+        for masked in (False, True):  # only a partial page is masked
+          @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
+          def _():
+            prepare(slot, half, first_token, masked)
+        plgpu.commit_smem()
       plgpu.barrier_arrive(kv_free.at[slot])
       if issues_copies:
         @pl.when(step + num_stages < num_steps)
@@ -412,22 +334,15 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           issue_copies(step + num_stages, slot)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready.at[buf])
+      factor = factor_smem.at[buf][...]
       with jax.named_scope("pv"):
-        acc = rescale(acc, factor_smem.at[buf])
-        if transposed_out:  # O^T += V^T P^T
-          acc = common.accumulate_mma(acc, vt, p_smem.at[buf].T, in_place=in_place)
-        else:
-          v = v_smem[half] if pv_impl == "f16" else v_smem[half].T
-          acc = common.accumulate_mma(acc, p_smem.at[buf], v, in_place=in_place)
+        v = v_smem[half] if pv_impl == "f16" else v_smem[half].T
+        acc = common.accumulate_pv(acc * common.row_broadcast(factor, acc.shape),
+                                   p_smem.at[buf], v, in_place=in_place)
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
-    # Only the pages past seq_len's last full page zero V's tokens >= seq_len.
-    num_unmasked = jnp.clip(seq_len // PAGE_SIZE - first_page, 0, num_steps)
-    acc_shape = (HALF_DIM, QUERY_TILE) if transposed_out else (QUERY_TILE, HALF_DIM)
-    acc = lax.fori_loop(0, num_unmasked, functools.partial(step_fn, masked=False),
-                        common.zero_acc(acc_shape))
-    acc = lax.fori_loop(num_unmasked, num_steps, functools.partial(step_fn, masked=True), acc)
+    acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((QUERY_TILE, HALF_DIM)))
     if issues_copies:  # observe the releases of the last pages, which it did not refill
       for back in range(num_stages, 0, -1):
         @pl.when(num_steps - back >= 0)
@@ -435,11 +350,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
     buf = lax.rem(num_steps, P_BUFFERS)
     plgpu.barrier_wait(p_ready.at[buf])
-    dims = pl.ds(half * HALF_DIM, HALF_DIM)
-    if transposed_out:
-      out_ref[split, b, row_tile, dims] = rescale(acc, factor_smem.at[buf])
-    else:
-      out_ref[split, b, rows, dims] = rescale(acc, factor_smem.at[buf])
+    out = acc * common.row_broadcast(factor_smem.at[buf][...], acc.shape)
+    out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
 
   pl.when(wg == SOFTMAX_WG)(softmax_warpgroup)
   for half, pv_wg in enumerate(PV_WGS):
@@ -455,7 +367,8 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   scratch = [
       *query_smem(),
       *ring,
-      () if v_buf is None else (v_buf, v_buf),
+      v_buf,
+      v_buf,
       p_buf,
       plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
@@ -476,9 +389,8 @@ def operand_smem(pv_impl: PvImpl, *, stages: int, p_buffers: int, v_pages: int |
     ``(ring, v, p)``: ``ring`` the ring's content e4m3 ``[stages, 64, 512]``, scales f32
     ``[stages, 64]`` and RoPE bf16 ``[stages, 64, 64]``; ``v`` one V half, f16 ``[64, 256]``
     (``pv="f16"``) or V^T e4m3 ``[256, 64]`` (``pv="fp8"``), with a leading ``[v_pages]``
-    if given, or ``None`` (``pv="fp8_regs"``: V^T stays in registers); ``p`` f16 or e4m3
-    ``[p_buffers, 64, 64]``. On the fp8 routes the content, V^T and P_q are ``RefUnion``s
-    of (e4m3, u16) views of the same bytes.
+    if given; ``p`` f16 or e4m3 ``[p_buffers, 64, 64]``. On ``pv="fp8"`` the content, V^T
+    and P_q are ``RefUnion``s of (e4m3, u16) views of the same bytes.
   """
   lead = () if v_pages is None else (v_pages,)
   content = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
@@ -488,9 +400,8 @@ def operand_smem(pv_impl: PvImpl, *, stages: int, p_buffers: int, v_pages: int |
   else:
     content = plgpu.RefUnion(content,
                              common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
-    v = None if pv_impl == "fp8_regs" else plgpu.RefUnion(
-        common.smem((*lead, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
-        common.smem((*lead, HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
+    v = plgpu.RefUnion(common.smem((*lead, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
+                       common.smem((*lead, HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
     p = plgpu.RefUnion(common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
                        common.smem((p_buffers, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
   ring = [content, plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
@@ -527,13 +438,9 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages or DEFAULT_STAGES[pv], **params)
-  if pv == "fp8_regs":  # the P V warpgroups hold O^T: [.., row tile, 512, 64 rows]
-    out_shape = (num_splits, batch, row_tiles, CONTENT_DIM, QUERY_TILE)
-  else:
-    out_shape = (num_splits, batch, padded, CONTENT_DIM)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(out_shape, jnp.float32),
+      out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
       scratch_types=scratch,
       grid=(row_tiles, num_splits, batch),
@@ -545,22 +452,18 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
       compiler_params=common.compiler_params(auto_barriers=False),
       interpret=common.interpret_params(interpret),
   )(qc, qs, qr, content, scale, rope, block_table, ranges, seq_lens)
-  if pv == "fp8_regs":
-    out_parts = jnp.swapaxes(out_parts, 3, 4).reshape(num_splits, batch, padded, CONTENT_DIM)
-  order = None if pv == "f16" else _FP8_PV_DIM_ORDERS[pv]
+  order = None if pv == "f16" else _FP8_PV_DIM_ORDER
   return common.unpack_outputs(out_parts, lse_parts, s_q, heads, out_dim_order=order)
 
 
-def _fp8_pv_dim_order(pv: PvImpl) -> np.ndarray:
-  """``order[d]``: the kernel's output column holding latent dim ``d`` on an fp8 route
-  (even dims then odd ones, per half for ``"fp8"``, per 128-dim chunk for ``"fp8_regs"``)."""
+def _fp8_pv_dim_order() -> np.ndarray:
+  """``order[d]``: the kernel's output column holding latent dim ``d`` on the fp8 route."""
   d = np.arange(CONTENT_DIM)
-  group = HALF_DIM if pv == "fp8" else 128
-  block, pair, parity = d // group, (d % group) // 2, d % 2
-  return block * group + parity * (group // 2) + pair
+  half, pair, parity = d // HALF_DIM, (d % HALF_DIM) // 2, d % 2
+  return half * HALF_DIM + parity * (HALF_DIM // 2) + pair
 
 
-_FP8_PV_DIM_ORDERS = {pv: _fp8_pv_dim_order(pv) for pv in ("fp8", "fp8_regs")}
+_FP8_PV_DIM_ORDER = _fp8_pv_dim_order()
 
 
 def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
@@ -606,8 +509,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   common.check_array("scale", scale, (num_pages, page_size), jnp.float32)
   common.check_array("rope", rope, (num_pages, page_size, ROPE_DIM), jnp.bfloat16)
   common.check_paging(block_table, seq_lens, batch, page_size)
-  if pv not in ("f16", "fp8", "fp8_regs"):
-    raise ValueError(f'pv must be "f16", "fp8" or "fp8_regs", got {pv=!r}')
+  if pv not in ("f16", "fp8"):
+    raise ValueError(f'pv must be "f16" or "fp8", got {pv=!r}')
   config = config or TuningConfig()
   if schedule not in ("softmax_wg", "seesaw"):
     raise ValueError(f'schedule must be "softmax_wg" or "seesaw", got {schedule=!r}')

@@ -117,9 +117,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       buf = lax.rem(step, BUFFERS)
       gamma = load_rows(state_smem.at[buf, _GAMMA])
       v = v_smem[half].at[lax.rem(step, V_BUFFERS)]
-      return common.accumulate_mma(acc * common.row_broadcast(gamma, acc.shape),
-                                   p_smem.at[buf], v if pv_impl == "f16" else v.T,
-                                   in_place=in_place)
+      return common.accumulate_pv(acc * common.row_broadcast(gamma, acc.shape),
+                                  p_smem.at[buf], v if pv_impl == "f16" else v.T,
+                                  in_place=in_place)
 
     def accumulate_others(step, acc):
       """``accumulate`` of the other warpgroup's page ``step``."""
