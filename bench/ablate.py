@@ -59,14 +59,9 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
         ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),
     ],
-    "stages2": [('DEFAULT_STAGES = {"fp8": 3, "f16": 2}', 'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
+    "one_stage_less": [('DEFAULT_STAGES = {"fp8": 3, "f16": 2}',
+                        'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
-    "q_in_registers": [  # QK's A operand from registers: half of QK's SMEM reads
-        ("    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n",
-         "    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n"
-         "    q_regs = plgpu.load(qc_smem, layout=plgpu.Layout.WGMMA_8BIT)\n"),
-        ("plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)", "plgpu.wgmma(s_ref, q_regs, kc_smem.at[slot].T)"),
-    ],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
 }
 
@@ -93,7 +88,7 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
 ]
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.
 ABLATIONS["idle_skeleton"] = ABLATIONS["idle_no_softmax"] + ABLATIONS["no_rope_qk"] + [
-    ("plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)\n", "\n")]
+    ("plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n", "\n")]
 # Does the skeleton's page rate follow the ring's depth (latency-bound) or not (bandwidth)?
 ABLATIONS["idle_skeleton_one_stage_less"] = (ABLATIONS["idle_skeleton"]
                                              + ABLATIONS["one_stage_less"])

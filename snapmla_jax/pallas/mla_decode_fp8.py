@@ -4,8 +4,9 @@ One CTA owns a tile of 64 query rows of one sequence and one split of its pages 
 and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; the other,
 ``"seesaw"``, is ``mla_decode_fp8_seesaw``) has three warpgroups:
 
-* softmax (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32
-  accumulator, restored by ``scale_q * scale_k``; online softmax (exp2 domain, the row sum
+* softmax (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma, ``Q_c`` held in registers as its A
+  operand) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32 accumulator, restored by
+  ``scale_q * scale_k``; online softmax (exp2 domain, the row sum
   ``l`` over the unquantized exponentials); scale-fused ``P' = P * scale_k``, quantized
   to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into one of
   two SMEM buffers. It issues page ``i + 1``'s QK before the softmax of page ``i``, so the
@@ -179,7 +180,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             factor_smem, lse_smem,                               # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            pv_impl: PvImpl, in_place: bool):
+            pv_impl: PvImpl, in_place: bool, q_in_registers: bool):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
                                                                              lens_ref)
   wg = lax.axis_index("wg")
@@ -213,6 +214,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     for i in range(3):
       plgpu.barrier_wait(q_bar.at[i])
     q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2
+    # QK's A operand from registers halves QK's SMEM reads (-6.5% per page-step, H100).
+    q_content = (plgpu.load(qc_smem, layout=plgpu.Layout.WGMMA_8BIT) if q_in_registers
+                 else qc_smem)
 
     def issue_qk(step, s_ref):
       """Starts ``S = Q_c K_c^T + Q_r' K_r'^T`` of page ``step`` (async wgmma)."""
@@ -220,7 +224,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       with jax.named_scope("wait_kv"):
         for which in (_CONTENT, _ROPE):
           plgpu.barrier_wait(kv_bar(slot, which))
-      plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)
+      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)
       plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
 
     def first_scores(s_ref):
@@ -359,10 +363,14 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
 
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place):
-  """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``."""
+  """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
+
+  ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
+  interpret mode cannot run.
+  """
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
-      num_stages=stages, pv_impl=pv_impl, in_place=in_place)
+      num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS)
   scratch = [
       *query_smem(),
