@@ -113,10 +113,13 @@ def main():
                       help="batch,heads,s_q,context")
   parser.add_argument("--only", default="", help="comma-separated ablations (base always)")
   parser.add_argument("--pv", default="fp8")
+  parser.add_argument("--splits", type=int, default=None,
+                      help="KV splits per sequence (fewer CTAs than SMs: per-SM vs global limits)")
   args = parser.parse_args()
   from bench.kernel import SCALE, make_inputs, measure
 
-  names = ["base"] + [n for n in (args.only.split(",") if args.only else ABLATIONS) if n and n != "base"]
+  chosen = args.only.split(",") if args.only else ABLATIONS
+  names = ["base"] + [n for n in chosen if n and n != "base"]
   lines = ["| shape | variant | time (us) | us per page-step | saved vs base (us) |",
            "|---|---|---|---|---|"]
   for shape in args.shapes:
@@ -125,14 +128,17 @@ def main():
     c = caches["fp8"]
     qc, qs, qr = quant.quantize_query(q, r)
     row_tiles = -(-s_q * heads // 64)
-    splits = mla_decode_fp8.common.default_num_splits(batch, row_tiles, context // 64)
+    splits = args.splits or mla_decode_fp8.common.default_num_splits(batch, row_tiles,
+                                                                      context // 64)
+    config = mla_decode_fp8.common.TuningConfig(num_splits=splits)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None
     for name in names:
       module = variant(name)
       f = lambda qc, qs, qr, c, bt, sl, m=module: m.mla_decode_fp8(
-          qc, qs, qr, c.content, c.scale, c.rope, bt, sl, softmax_scale=SCALE, pv=args.pv)
+          qc, qs, qr, c.content, c.scale, c.rope, bt, sl, softmax_scale=SCALE, pv=args.pv,
+          config=config)
       try:
         t = measure(f, qc, qs, qr, c, bt, sl) * 1e6
       except Exception as e:  # noqa: BLE001 - report and go on
@@ -140,7 +146,8 @@ def main():
         continue
       base = t if name == "base" else base
       saved = "" if base is None or name == "base" else f"{base - t:.1f}"
-      lines.append(f"| b{batch} h{heads} s_q{s_q} {context // 1024}k | {name} | {t:.1f} | "
+      label = f"b{batch} h{heads} s_q{s_q} {context // 1024}k, {splits} splits"
+      lines.append(f"| {label} | {name} | {t:.1f} | "
                    f"{t / steps:.3f} | {saved} |")
       print(lines[-1], flush=True)
   print("\n".join(lines))
