@@ -57,8 +57,7 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "acc = acc * common.row_broadcast(factor, acc.shape)"),
     ],
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
-        ("bt_ref[b, first_page + step], slot, kv_ready, pair_axis)",
-         "bt_ref[b, first_page], slot, kv_ready, pair_axis)"),
+        ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),
     ],
     "one_stage_less": [('DEFAULT_STAGES = {"fp8": 3, "f16": 2}',
                         'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
