@@ -12,7 +12,6 @@ the measured H200 ceilings below), and the ratios to the XLA path and FP8 / BF16
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import statistics
 import sys
@@ -68,16 +67,15 @@ def impls(fp8_config=None):
   try:
     from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
     from snapmla_jax import quant
-    def fp8(pv, schedule="softmax_wg", multicast=False):
-      config = dataclasses.replace(fp8_config or TuningConfig(), multicast=multicast)
+    def fp8(pv, schedule="softmax_wg"):
       def f(q, r, c, bt, sl):
         qc, qs, qr = quant.quantize_query(q, r)
         return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
-                              softmax_scale=SCALE, pv=pv, schedule=schedule, config=config)
+                              softmax_scale=SCALE, pv=pv, schedule=schedule,
+                              config=fp8_config)
       return f
     out["fp8-f16"] = ("fp8", fp8("f16"))
     out["fp8-fp8"] = ("fp8", fp8("fp8"))
-    out["fp8-multicast"] = ("fp8", fp8("fp8", multicast=True))
     out["fp8-seesaw"] = ("fp8", fp8("fp8", "seesaw"))
   except ImportError:
     pass

@@ -82,8 +82,7 @@ DEFAULT_STAGES = {"fp8": 3, "f16": 2}   # what fits in SMEM next to Q, V and P
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
-def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready,
-                      collective_axes: str | None = None) -> None:
+def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready) -> None:
   """Starts the three TMAs of cache page ``page`` into ring slot ``slot``.
 
   Args:
@@ -91,12 +90,9 @@ def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready,
     ring_smem: SMEM ``(content [stages, 64, 512], scale [stages, 64], rope [stages, 64, 64])``.
     kv_ready: ``3 * stages`` barriers, ``slot * 3 + which`` for the copy ``which`` of
       ``(_CONTENT, _SCALE, _ROPE)``.
-    collective_axes: a cluster axis whose CTAs all call this for the same page: each
-      copies its share and multicasts it into every CTA's slot.
   """
   for which, (src, dst) in enumerate(zip(cache_refs, ring_smem)):
-    plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + which],
-                            collective_axes=collective_axes)
+    plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + which])
 
 
 def dequantize_v_half(page_smem, v_smem, half: int, first_token, seq_len, masked: bool):
@@ -184,9 +180,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             factor_smem, lse_smem,                               # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            pv_impl: PvImpl, in_place: bool, q_in_registers: bool, pair_axis: str | None):
-  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
-      ranges_ref, lens_ref, pair_axis)
+            pv_impl: PvImpl, in_place: bool, q_in_registers: bool):
+  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
+                                                                             lens_ref)
   wg = lax.axis_index("wg")
   v_smem = (v0_smem, v1_smem)  # each P V warpgroup's half of V (f16) or V^T (fp8)
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
@@ -201,7 +197,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
   def issue_copies(step, slot):
     issue_page_copies((content_ref, scale_ref, rope_ref), (kc_smem, ks_smem, kr_smem),
-                      bt_ref[b, first_page + step], slot, kv_ready, pair_axis)
+                      bt_ref[b, first_page + step], slot, kv_ready)
 
   def dequantize_v(slot, half, first_token, masked: bool):
     dequantize_v_half(kc_smem.at[slot], v_smem[half], half, first_token, seq_len, masked)
@@ -366,25 +362,15 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     pl.when(wg == pv_wg)(functools.partial(pv_warpgroup, half))
 
 
-def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       pair_axis=None):
+def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
-  interpret mode cannot run. ``pair_axis``: the cluster axis of two CTAs (consecutive row
-  tiles) that share every page: a slot is refilled (by both, each copying half of the page
-  into both rings) once the consumers of both CTAs have released it.
+  interpret mode cannot run.
   """
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
-      num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      pair_axis=pair_axis)
-  # released by the softmax (QK, scales) and both P V warpgroups (V prepared), of each CTA
-  if pair_axis is None:
-    kv_free = plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages)
-  else:
-    kv_free = plgpu.ClusterBarrier(collective_axes=(pair_axis,),
-                                   num_arrivals=1 + len(PV_WGS), num_barriers=stages)
+      num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS)
   scratch = [
       *query_smem(),
@@ -396,7 +382,8 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=3 * stages),
-      kv_free,
+      # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
+      plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages),
       plgpu.Barrier(num_barriers=P_BUFFERS),
       plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
   ]
@@ -453,24 +440,19 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
   params = dict(s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
                 pv_impl=pv, in_place=not interpret)
-  grid = dict(grid=(row_tiles, num_splits, batch), grid_names=("rows", "split", "batch"))
   if schedule == "seesaw":
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   else:
-    pair_axis = None
-    if config.multicast and row_tiles % 2 == 0 and not interpret:
-      pair_axis = "pair"  # (the launch's fastest axis: each pair's two CTAs side by side)
-      grid = dict(grid=(batch, num_splits, row_tiles // 2),
-                  grid_names=("batch", "split", "rows"), cluster=(2,), cluster_names=("pair",))
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
-        stages=config.num_stages or DEFAULT_STAGES[pv], pair_axis=pair_axis, **params)
+        stages=config.num_stages or DEFAULT_STAGES[pv], **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
       scratch_types=scratch,
-      **grid,
+      grid=(row_tiles, num_splits, batch),
+      grid_names=("rows", "split", "batch"),
       num_threads=num_warpgroups,
       thread_name="wg",
       # No thread reads SMEM it writes: V^T, P, the factors and the LSE are written by one
@@ -542,8 +524,6 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f'schedule must be "softmax_wg" or "seesaw", got {schedule=!r}')
   if schedule == "seesaw" and config.num_stages not in (None, 2):
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
-  if schedule == "seesaw" and config.multicast:
-    raise ValueError("schedule='seesaw' does not multicast pages, got config.multicast=True")
   return _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
                  config=config, pv=pv, schedule=schedule, interpret=bool(interpret))
