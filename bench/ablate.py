@@ -115,6 +115,7 @@ def main():
   parser.add_argument("--pv", default="fp8")
   parser.add_argument("--splits", type=int, default=None,
                       help="KV splits per sequence (fewer CTAs than SMs: per-SM vs global limits)")
+  parser.add_argument("--overlap-pv", action="store_true", help="TuningConfig.overlap_pv")
   args = parser.parse_args()
   from bench.kernel import SCALE, make_inputs, measure
 
@@ -130,7 +131,7 @@ def main():
     row_tiles = -(-s_q * heads // 64)
     splits = args.splits or mla_decode_fp8.common.default_num_splits(batch, row_tiles,
                                                                       context // 64)
-    config = mla_decode_fp8.common.TuningConfig(num_splits=splits)
+    config = mla_decode_fp8.common.TuningConfig(num_splits=splits, overlap_pv=args.overlap_pv)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None

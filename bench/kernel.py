@@ -12,6 +12,7 @@ the measured H200 ceilings below), and the ratios to the XLA path and FP8 / BF16
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
@@ -67,15 +68,16 @@ def impls(fp8_config=None):
   try:
     from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
     from snapmla_jax import quant
-    def fp8(pv, schedule="softmax_wg"):
+    def fp8(pv, schedule="softmax_wg", **knobs):
+      config = dataclasses.replace(fp8_config or TuningConfig(), **knobs)
       def f(q, r, c, bt, sl):
         qc, qs, qr = quant.quantize_query(q, r)
         return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
-                              softmax_scale=SCALE, pv=pv, schedule=schedule,
-                              config=fp8_config)
+                              softmax_scale=SCALE, pv=pv, schedule=schedule, config=config)
       return f
     out["fp8-f16"] = ("fp8", fp8("f16"))
     out["fp8-fp8"] = ("fp8", fp8("fp8"))
+    out["fp8-overlap"] = ("fp8", fp8("fp8", overlap_pv=True))
     out["fp8-seesaw"] = ("fp8", fp8("fp8", "seesaw"))
   except ImportError:
     pass

@@ -140,6 +140,11 @@ def test_lowers_for_cuda(batch, s_q, heads, context, pv):
 
 
 @pytest.mark.timeout(300)
+def test_overlap_pv_lowers_for_cuda():
+  assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=TuningConfig(overlap_pv=True))
+
+
+@pytest.mark.timeout(300)
 def test_seesaw_lowers_for_cuda():  # one shape: its lowering takes ~20 s on CI's CPU
   assert "mosaic_gpu" in lower(128, 2, 16, 65536, "fp8", "seesaw")
 
@@ -166,6 +171,9 @@ def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match="2-stage ring"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
          config=TuningConfig(num_stages=3))
+  with pytest.raises(ValueError, match="overlap_pv needs pv='fp8'"):
+    call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="f16",
+         config=TuningConfig(overlap_pv=True))
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,6 +188,19 @@ def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv, schedule):
   err, lerr, ref_err = run_and_check(case, s_q=s_q, pv=pv, schedule=schedule)
   print(f"fp8-{pv}-{schedule} b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e} "
         f"vs_fp32={ref_err:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
+def test_gpu_overlap_pv(batch, s_q, heads, seq_lens):
+  """``TuningConfig.overlap_pv``: V^T double-buffered in Q's SMEM, built under P V."""
+  case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
+                   zero_tokens=3)
+  for splits in (None, 3):
+    err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8",
+                                 config=TuningConfig(num_splits=splits, overlap_pv=True))
+    print(f"fp8-fp8-overlap b={batch} s_q={s_q} h={heads} splits={splits}: "
+          f"rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 
 @pytest.mark.gpu

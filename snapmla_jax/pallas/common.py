@@ -56,9 +56,12 @@ class TuningConfig:
       kernel's default.
     num_splits: KV splits per sequence; ``None`` picks enough to fill the GPU once
       (``default_num_splits``).
+    overlap_pv: (FP8 kernel, ``pv="fp8"``) each P V warpgroup builds page i + 1's V^T
+      while page i's ``P V`` runs on the tensor cores (two V^T buffers, in Q's SMEM).
   """
   num_stages: int | None = None
   num_splits: int | None = None
+  overlap_pv: bool = False
 
   def __post_init__(self):
     if self.num_stages is not None and self.num_stages < 2:

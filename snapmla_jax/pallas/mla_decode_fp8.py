@@ -176,19 +176,22 @@ def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
             lens_ref,                                            # inputs (GMEM)
             out_ref, lse_ref,                                    # outputs (GMEM)
-            qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v0_smem, v1_smem, p_smem,
+            qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v_smem, p_smem,
             factor_smem, lse_smem,                               # SMEM
-            q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
+            q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            pv_impl: PvImpl, in_place: bool, q_in_registers: bool):
+            pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
                                                                              lens_ref)
   wg = lax.axis_index("wg")
-  v_smem = (v0_smem, v1_smem)  # each P V warpgroup's half of V (f16) or V^T (fp8)
+  # v_smem: each P V warpgroup's half of V (f16) or V^T (fp8): ``[half]``; with
+  # ``overlap_pv`` two of them, ``[page parity, half]``, in the SMEM of Q's content.
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
-    (vt0_smem, vt0_16), (vt1_smem, vt1_16) = v_smem
-    v_smem, vt16_smem = (vt0_smem, vt1_smem), (vt0_16, vt1_16)
+    if overlap_pv:
+      qc_smem, v_smem, vt16_smem = qc_smem
+    else:
+      v_smem, vt16_smem = zip(*v_smem)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
@@ -202,8 +205,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   def dequantize_v(slot, half, first_token, masked: bool):
     dequantize_v_half(kc_smem.at[slot], v_smem[half], half, first_token, seq_len, masked)
 
-  def transpose_v(slot, half, first_token, masked: bool):
-    transpose_v_half(kc16_smem.at[slot], vt16_smem[half], half, first_token, seq_len, masked)
+  def transpose_v(slot, half, first_token, masked: bool, parity=None):
+    vt16 = vt16_smem[half] if parity is None else vt16_smem.at[parity, half]
+    transpose_v_half(kc16_smem.at[slot], vt16, half, first_token, seq_len, masked)
 
   def store_p(p_q, buf):
     store_p_tile(p_q, p_smem.at[buf] if pv_impl == "f16" else p16_smem.at[buf], pv_impl)
@@ -217,6 +221,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     # QK's A operand from registers halves QK's SMEM reads (-6.5% per page-step, H100).
     q_content = (plgpu.load(qc_smem, layout=plgpu.Layout.WGMMA_8BIT) if q_in_registers
                  else qc_smem)
+    if overlap_pv:  # Q's SMEM becomes V^T buffers once every thread has its registers
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(q_free)
 
     def issue_qk(step, s_ref):
       """Starts ``S = Q_c K_c^T + Q_r' K_r'^T`` of page ``step`` (async wgmma)."""
@@ -317,9 +324,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         def _():
           issue_copies(step, step)
 
-    def step_fn(step, acc):
+    def prepare_page(step, *parity):
+      """Waits for page ``step``, prepares its V half (into buffer ``parity``), releases
+      the page's slot and (warpgroup 1) refills it."""
       slot = lax.rem(step, num_stages)
-      buf = lax.rem(step, P_BUFFERS)
       first_token = (first_page + step) * PAGE_SIZE
       with jax.named_scope("wait_kv"):
         plgpu.barrier_wait(kv_bar(slot, _CONTENT))
@@ -327,7 +335,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         for masked in (False, True):  # only a partial page is masked
           @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
           def _():
-            prepare(slot, half, first_token, masked)
+            prepare(slot, half, first_token, masked, *parity)
         plgpu.commit_smem()
       plgpu.barrier_arrive(kv_free.at[slot])
       if issues_copies:
@@ -336,9 +344,17 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         def _():
           plgpu.barrier_wait(kv_free.at[slot])
           issue_copies(step + num_stages, slot)
+
+    def wait_p(step):
+      """Waits for page ``step``'s ``P_q``; returns its P buffer and rescaling factor."""
+      buf = lax.rem(step, P_BUFFERS)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready.at[buf])
-      factor = factor_smem.at[buf][...]
+      return buf, factor_smem.at[buf][...]
+
+    def step_fn(step, acc):
+      prepare_page(step)
+      buf, factor = wait_p(step)
       with jax.named_scope("pv"):
         v = v_smem[half] if pv_impl == "f16" else v_smem[half].T
         acc = common.accumulate_pv(acc * common.row_broadcast(factor, acc.shape),
@@ -346,7 +362,34 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
-    acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((QUERY_TILE, HALF_DIM)))
+    def overlapped_step_fn(step, acc):
+      """``P V`` of page ``step`` on the tensor cores while page ``step + 1``'s V^T is
+      built into the other buffer."""
+      buf, factor = wait_p(step)
+      parity = lax.rem(step, 2)
+
+      def pv_under_next_v(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem.at[buf], v_smem.at[parity, half].T)
+
+        @pl.when(step + 1 < num_steps)
+        def _():
+          prepare_page(step + 1, 1 - parity)
+      with jax.named_scope("pv"):
+        acc = pl.run_state(pv_under_next_v)(
+            plgpu.ACC.init(acc * common.row_broadcast(factor, acc.shape)))
+      plgpu.barrier_arrive(p_free.at[buf])
+      return acc
+
+    acc = common.zero_acc((QUERY_TILE, HALF_DIM))
+    if overlap_pv:
+      plgpu.barrier_wait(q_free)  # V^T buffer 0 is Q's SMEM
+
+      @pl.when(num_steps > 0)
+      def _():
+        prepare_page(0, 0)
+      acc = lax.fori_loop(0, num_steps, overlapped_step_fn, acc)
+    else:
+      acc = lax.fori_loop(0, num_steps, step_fn, acc)
     if issues_copies:  # observe the releases of the last pages, which it did not refill
       for back in range(num_stages, 0, -1):
         @pl.when(num_steps - back >= 0)
@@ -362,21 +405,30 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     pl.when(wg == pv_wg)(functools.partial(pv_warpgroup, half))
 
 
-def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place):
+def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
+                       overlap_pv=False):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
-  interpret mode cannot run.
+  interpret mode cannot run. ``overlap_pv`` (``pv="fp8"``, hardware): two V^T buffers per
+  P V warpgroup, in the SMEM of Q's content (which the softmax warpgroup reads into
+  registers first), so that page i + 1's V^T is built while page i's ``P V`` runs.
   """
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
-      num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place)
+      num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
+      overlap_pv=overlap_pv)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS)
+  q_content, *q_rest = query_smem()
+  if overlap_pv:
+    q_content = plgpu.RefUnion(
+        q_content, common.smem((2, len(PV_WGS), HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
+        common.smem((2, len(PV_WGS), HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
   scratch = [
-      *query_smem(),
+      q_content,
+      *q_rest,
       *ring,
-      v_buf,
-      v_buf,
+      () if overlap_pv else (v_buf, v_buf),
       p_buf,
       plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
@@ -386,6 +438,7 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages),
       plgpu.Barrier(num_barriers=P_BUFFERS),
       plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
+      plgpu.Barrier() if overlap_pv else (),  # Q's SMEM is free
   ]
   return kernel, scratch, 1 + len(PV_WGS)
 
@@ -445,7 +498,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
-        stages=config.num_stages or DEFAULT_STAGES[pv], **params)
+        stages=config.num_stages or DEFAULT_STAGES[pv], overlap_pv=config.overlap_pv,
+        **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -524,6 +578,9 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f'schedule must be "softmax_wg" or "seesaw", got {schedule=!r}')
   if schedule == "seesaw" and config.num_stages not in (None, 2):
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
+  if config.overlap_pv and (pv, schedule, bool(interpret)) != ("fp8", "softmax_wg", False):
+    raise ValueError("config.overlap_pv needs pv='fp8', schedule='softmax_wg' and a GPU, "
+                     f"got {pv=!r}, {schedule=!r}, {interpret=}")
   return _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
                  config=config, pv=pv, schedule=schedule, interpret=bool(interpret))
