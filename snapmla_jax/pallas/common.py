@@ -5,8 +5,8 @@ Both kernels share the grid, the split-KV schedule and a 64-token page per pipel
 
 * The query rows of one sequence, ``s_q * heads`` of them ordered ``(s_q, head)``, are cut
   into tiles of ``QUERY_TILE = 64`` rows (the wgmma M); one CTA owns one row tile of one
-  sequence and one split of its pages. Grid: ``(row_tiles, num_splits, batch)``, rows
-  fastest so that the CTAs reading the same pages run together and share L2.
+  sequence and one split of its pages. Grid: ``(row_tiles, num_splits, batch)`` (Pallas
+  launches the last axis fastest: batch, then splits, then row tiles).
 * Three warpgroups per CTA (a fourth would cap every thread at 128 registers: ptxas
   allocates the whole kernel at the launch's cap, whatever setmaxnreg asks). In the BF16
   kernel warpgroup 2 (memory) TMAs the pages through the block table into

@@ -13,7 +13,10 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   tensor cores run the next QK under this page's softmax.
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
-  ``acc <- acc * factor + P_q V``.
+  ``acc <- acc * factor + P_q V``. With ``TuningConfig.overlap_pv`` the preparation of
+  page i + 1 runs while page i's ``P V`` is on the tensor cores, into the other of two V^T
+  buffers (they reuse the SMEM of Q's content, which the softmax warpgroup holds in
+  registers).
 
 Pages arrive by TMA (three per page, a barrier each: the E4M3 content ``[64, 512]``, the
 per-token scales ``[64]``, the pre-scaled BF16 RoPE ``[64, 64]``) into a
