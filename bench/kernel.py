@@ -21,9 +21,10 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax import mla_decode
+from snapmla_jax import mla_decode, quant
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import mla_decode_bf16
+from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
 from snapmla_jax.testing import random_pages
 
 BF16_PEAK = 989e12     # dense bf16 tensor-core peak (datasheet), TFLOP/s
@@ -63,27 +64,25 @@ def measure(f, *args, iterations=20):
 
 
 def impls(fp8_config=None):
-  out = {"bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
-      q, r, c.latent, bt, sl, softmax_scale=SCALE))}
-  try:
-    from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
-    from snapmla_jax import quant
-    def fp8(pv, schedule="softmax_wg", **knobs):
-      config = dataclasses.replace(fp8_config or TuningConfig(), **knobs)
-      def f(q, r, c, bt, sl):
-        qc, qs, qr = quant.quantize_query(q, r)
-        return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
-                              softmax_scale=SCALE, pv=pv, schedule=schedule, config=config)
-      return f
-    out["fp8-f16"] = ("fp8", fp8("f16"))
-    out["fp8-fp8"] = ("fp8", fp8("fp8"))
-    out["fp8-overlap"] = ("fp8", fp8("fp8", overlap_pv=True))
-    out["fp8-seesaw"] = ("fp8", fp8("fp8", "seesaw"))
-  except ImportError:
-    pass
-  out["xla-bf16"] = ("bf16", lambda q, r, c, bt, sl: mla_decode(
-      q, r, c, bt, sl, softmax_scale=SCALE, impl="xla"))
-  return out
+  """``{name: (cache kind, f(q, rope, cache, block_table, seq_lens))}`` of the benchmark."""
+  def fp8(pv, schedule="softmax_wg", **knobs):
+    config = dataclasses.replace(fp8_config or TuningConfig(), **knobs)
+    def f(q, r, c, bt, sl):
+      qc, qs, qr = quant.quantize_query(q, r)
+      return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
+                            softmax_scale=SCALE, pv=pv, schedule=schedule, config=config)
+    return f
+
+  return {
+      "bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
+          q, r, c.latent, bt, sl, softmax_scale=SCALE)),
+      "fp8-f16": ("fp8", fp8("f16")),
+      "fp8-fp8": ("fp8", fp8("fp8")),
+      "fp8-overlap": ("fp8", fp8("fp8", overlap_pv=True)),
+      "fp8-seesaw": ("fp8", fp8("fp8", "seesaw")),
+      "xla-bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode(
+          q, r, c, bt, sl, softmax_scale=SCALE, impl="xla")),
+  }
 
 
 def main():
