@@ -128,7 +128,7 @@ def main():
     q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, {"fp8"})
     c = caches["fp8"]
     qc, qs, qr = quant.quantize_query(q, r)
-    row_tiles = -(-s_q * heads // 64)
+    row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
     splits = args.splits or mla_decode_fp8.common.default_num_splits(batch, row_tiles,
                                                                       context // 64)
     config = mla_decode_fp8.common.TuningConfig(num_splits=splits, overlap_pv=args.overlap_pv)
