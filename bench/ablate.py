@@ -63,6 +63,14 @@ ABLATIONS = {  # name: [(old source, new source), ...]
                         'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
+    # The softmax warpgroup's order until the sixth session: page i's slot released once page
+    # i + 1 has arrived and its QK is issued.
+    "release_after_next_qk": [
+        ("        plgpu.barrier_arrive(kv_free.at[slot])\n\n        @pl.when", "        @pl.when"),
+        ('        with jax.named_scope("softmax"):\n',
+         '        plgpu.barrier_arrive(kv_free.at[slot])\n'
+         '        with jax.named_scope("softmax"):\n'),
+    ],
 }
 
 # Both P V warpgroups idle but for their barriers: what is left is the softmax warpgroup's chain.

@@ -254,14 +254,17 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       first_token = (first_page + step) * PAGE_SIZE
 
       def softmax_under_next_qk(s_next_ref):
+        # This page's QK is done (``s``): read its scales and release its slot before
+        # waiting for the next page, so that the refill does not queue behind its arrival.
+        plgpu.barrier_wait(kv_bar(slot, _SCALE))
+        k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
+                                       s.shape, [1])
+        plgpu.barrier_arrive(kv_free.at[slot])
+
         @pl.when(step + 1 < num_steps)
         def _():
           issue_qk(step + 1, s_next_ref)
         with jax.named_scope("softmax"):
-          plgpu.barrier_wait(kv_bar(slot, _SCALE))
-          k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
-                                         s.shape, [1])
-          plgpu.barrier_arrive(kv_free.at[slot])  # QK and scales of this page are done
           visible = None
           if masked:
             visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
