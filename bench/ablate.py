@@ -59,8 +59,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
         ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),
     ],
-    "one_stage_less": [('DEFAULT_STAGES = {"fp8": 3, "f16": 2}',
-                        'DEFAULT_STAGES = {"fp8": 2, "f16": 2}')],
+    "one_stage_less": [("return 4 if v_in_q and not overlap_pv else 3",
+                        "return 3 if v_in_q and not overlap_pv else 2")],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
     # The softmax warpgroup's order until the sixth session: page i's slot released once page

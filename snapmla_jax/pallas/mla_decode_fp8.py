@@ -81,7 +81,6 @@ _HALF_PAGE = PAGE_SIZE // 2
 SOFTMAX_WG = 0
 PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
-DEFAULT_STAGES = {"fp8": 3, "f16": 2}   # what fits in SMEM next to Q, V and P
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
@@ -187,11 +186,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
                                                                              lens_ref)
   wg = lax.axis_index("wg")
-  # v_smem: each P V warpgroup's half of V (f16) or V^T (fp8): ``[half]``; with
-  # ``overlap_pv`` two of them, ``[page parity, half]``, in the SMEM of Q's content.
+  # v_smem[half]: each P V warpgroup's half of V (f16) or V^T (fp8); with ``overlap_pv``
+  # two of them, ``[page parity]``. V^T lives in the SMEM of Q's content when the softmax
+  # warpgroup holds Q in registers (``v_in_q``).
+  v_in_q = q_in_registers and pv_impl == "fp8"
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
-    if overlap_pv:
+    if v_in_q:
       qc_smem, v_smem, vt16_smem = qc_smem
     else:
       v_smem, vt16_smem = zip(*v_smem)
@@ -209,7 +210,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     dequantize_v_half(kc_smem.at[slot], v_smem[half], half, first_token, seq_len, masked)
 
   def transpose_v(slot, half, first_token, masked: bool, parity=None):
-    vt16 = vt16_smem[half] if parity is None else vt16_smem.at[parity, half]
+    vt16 = vt16_smem[half] if parity is None else vt16_smem[half].at[parity]
     transpose_v_half(kc16_smem.at[slot], vt16, half, first_token, seq_len, masked)
 
   def store_p(p_q, buf):
@@ -224,7 +225,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     # QK's A operand from registers halves QK's SMEM reads (-6.5% per page-step, H100).
     q_content = (plgpu.load(qc_smem, layout=plgpu.Layout.WGMMA_8BIT) if q_in_registers
                  else qc_smem)
-    if overlap_pv:  # Q's SMEM becomes V^T buffers once every thread has its registers
+    if v_in_q:  # Q's SMEM becomes V^T buffers once every thread has its registers
       plgpu.commit_smem()
       plgpu.barrier_arrive(q_free)
 
@@ -375,7 +376,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       parity = lax.rem(step, 2)
 
       def pv_under_next_v(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem.at[buf], v_smem.at[parity, half].T)
+        plgpu.wgmma(acc_ref, p_smem.at[buf], v_smem[half].at[parity].T)
 
         @pl.when(step + 1 < num_steps)
         def _():
@@ -387,9 +388,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return acc
 
     acc = common.zero_acc((QUERY_TILE, HALF_DIM))
+    if v_in_q:
+      plgpu.barrier_wait(q_free)
     if overlap_pv:
-      plgpu.barrier_wait(q_free)  # V^T buffer 0 is Q's SMEM
-
       @pl.when(num_steps > 0)
       def _():
         prepare_page(0, 0)
@@ -411,30 +412,43 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     pl.when(wg == pv_wg)(functools.partial(pv_warpgroup, half))
 
 
+def default_stages(pv_impl: PvImpl, *, v_in_q: bool, overlap_pv: bool) -> int:
+  """The deepest page ring that fits in the 227 KB of SMEM. A page is 41 KB, Q 41 KB, the P
+  buffers 8 KB (16 in f16); both V halves take 64 KB in f16, 32 KB as V^T (the size of Q's
+  content, whose SMEM holds them with ``v_in_q``) and 64 KB double-buffered."""
+  if pv_impl == "f16":
+    return 2
+  return 4 if v_in_q and not overlap_pv else 3
+
+
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
                        overlap_pv=False):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
-  interpret mode cannot run. ``overlap_pv`` (``pv="fp8"``, hardware): two V^T buffers per
-  P V warpgroup, in the SMEM of Q's content (which the softmax warpgroup reads into
-  registers first), so that page i + 1's V^T is built while page i's ``P V`` runs.
+  interpret mode cannot run. There (``pv="fp8"``) the V^T buffers take the SMEM of Q's
+  content, free once the softmax warpgroup holds Q in registers, which leaves room for a
+  fourth stage. ``overlap_pv`` (``pv="fp8"``, hardware): two V^T buffers per P V
+  warpgroup, so that page i + 1's V^T is built while page i's ``P V`` runs.
+  ``stages``: ``None`` for ``default_stages``.
   """
+  v_in_q = in_place and pv_impl == "fp8"
+  stages = stages or default_stages(pv_impl, v_in_q=v_in_q, overlap_pv=overlap_pv)
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
       overlap_pv=overlap_pv)
-  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS)
+  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
+                                    v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
-  if overlap_pv:
-    q_content = plgpu.RefUnion(
-        q_content, common.smem((2, len(PV_WGS), HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
-        common.smem((2, len(PV_WGS), HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
+  v_bufs = (v_buf,) * len(PV_WGS)
+  if v_in_q:  # groups (e4m3 views of both halves), (u16 views of both halves)
+    q_content, v_bufs = plgpu.RefUnion(q_content, *zip(*(v.refs for v in v_bufs))), ()
   scratch = [
       q_content,
       *q_rest,
       *ring,
-      () if overlap_pv else (v_buf, v_buf),
+      v_bufs,
       p_buf,
       plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
@@ -444,7 +458,7 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages),
       plgpu.Barrier(num_barriers=P_BUFFERS),
       plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
-      plgpu.Barrier() if overlap_pv else (),  # Q's SMEM is free
+      plgpu.Barrier() if v_in_q else (),  # Q's SMEM is free
   ]
   return kernel, scratch, 1 + len(PV_WGS)
 
@@ -504,7 +518,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
-        stages=config.num_stages or DEFAULT_STAGES[pv], overlap_pv=config.overlap_pv,
+        stages=config.num_stages, overlap_pv=config.overlap_pv,
         **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
@@ -555,7 +569,7 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     seq_lens: int32 ``[batch]``; tokens ``>= seq_len`` are never read into the result.
     softmax_scale: multiplies the (restored) scores.
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
-    config: pipeline knobs; ``None`` picks the defaults (``DEFAULT_STAGES[pv]`` stages).
+    config: pipeline knobs; ``None`` picks the defaults (``default_stages``).
     pv: the ``P_q V`` implementation (see the module docstring).
     schedule: ``"softmax_wg"`` (this module) or ``"seesaw"`` (``mla_decode_fp8_seesaw``:
       two warpgroups taking turns with the pages; a 2-stage ring; slower so far).
