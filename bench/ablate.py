@@ -52,9 +52,15 @@ ABLATIONS = {  # name: [(old source, new source), ...]
         ("p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])", "pass"),
     ],
     "no_pv": [
-        ("acc = common.accumulate_pv(acc * common.row_broadcast(factor, acc.shape),\n"
-         "                                   p_smem.at[buf], v, in_place=in_place)",
-         "acc = acc * common.row_broadcast(factor, acc.shape)"),
+        ("          acc = accumulate_pv_fp8(acc, p_smem.at[buf], v_smem[half])\n",
+         "          pass\n"),
+    ],
+    # P V accumulated in place on the tensor cores, page after page (imprecise: the cost of
+    # promoting each page's product to f32)
+    "pv_in_place": [
+        ("          acc = accumulate_pv_fp8(acc, p_smem.at[buf], v_smem[half])\n",
+         "          acc = common.accumulate_pv(acc, p_smem.at[buf], v_smem[half].T,\n"
+         "                                     in_place=in_place)\n"),
     ],
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
         ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),

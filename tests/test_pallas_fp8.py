@@ -205,6 +205,21 @@ def test_gpu_overlap_pv(batch, s_q, heads, seq_lens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
+@pytest.mark.parametrize("batch,heads,seq_lens,splits", [
+    (2, 128, [1, 100_000], 3),   # 521 pages a CTA
+    (1, 64, [131_072], 1),       # 2048 pages in one CTA
+])
+def test_gpu_long_splits(batch, heads, seq_lens, splits, pv, schedule):
+  """Many pages a CTA: the P V accumulation stays within the emulation's tolerance."""
+  case = make_case(batch + heads, seq_lens, s_q=1, heads=heads, kinds=("fp8",))
+  err, lerr, ref_err = run_and_check(case, s_q=1, pv=pv, schedule=schedule,
+                                     config=TuningConfig(num_splits=splits))
+  print(f"fp8-{pv}-{schedule} long b={batch} h={heads} splits={splits}: rel_l2={err:.2e} "
+        f"lse_err={lerr:.2e} vs_fp32={ref_err:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
 @pytest.mark.parametrize("splits,stages", [(1, 2), (5, 2), (64, 2)])
 def test_gpu_splits(splits, stages, pv, schedule):
   case = make_case(7, [3000, 17, 640], s_q=2, heads=128, kinds=("fp8",))
