@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call: GPU-marked kernel tests, kernel benchmark, in-kernel profile, e2e decode.
 #   bash bench/device_check.sh tests [pytest args, e.g. tests/test_pallas_fp8.py -k "fp8]"]
-#   bash bench/device_check.sh bench|e2e|ablate|sass|data_path [script args]     ... profile
+#   bash bench/device_check.sh bench|e2e|ablate|sass|data_path|precision [script args]  ... profile
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
@@ -39,6 +39,7 @@ case $what in
              2>&1 | tee "$OUT/fidelity.log" | tail -40 ;;
   data_path) python3 bench/data_path.py --md "$OUT/data_path.md" "$@" 2>&1 | tee "$OUT/data_path.log" \
              | tail -12 ;;
+  precision) python3 bench/pv_precision.py "$@" 2>&1 | tee "$OUT/precision.log" | tail -14 ;;
   e2e) python3 bench/e2e.py --md "$OUT/e2e.md" "$@" 2>&1 | tee "$OUT/e2e.log" | tail -20 ;;
   *) echo "unknown mode $what"; exit 2 ;;
 esac
