@@ -57,6 +57,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     ],
     # P V accumulated in place on the tensor cores, page after page (imprecise: the cost of
     # promoting each page's product to f32)
+    "pv_chunk_32": [("PV_CHUNK = 64 ", "PV_CHUNK = 32 ")],
+    "pv_chunk_128": [("PV_CHUNK = 64 ", "PV_CHUNK = 128 ")],
     "pv_in_place": [
         ("          acc = accumulate_pv_fp8(acc, p_smem.at[buf], v_smem[half])\n",
          "          acc = common.accumulate_pv(acc, p_smem.at[buf], v_smem[half].T,\n"

@@ -13,10 +13,13 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   tensor cores run the next QK under this page's softmax.
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
-  ``acc <- acc * factor + P_q V``. With ``TuningConfig.overlap_pv`` the preparation of
-  page i + 1 runs while page i's ``P V`` is on the tensor cores, into the other of two V^T
-  buffers (they reuse the SMEM of Q's content, which the softmax warpgroup holds in
-  registers).
+  ``acc <- acc * factor + P_q V`` (on ``pv="fp8"`` each page's product is added in f32,
+  ``accumulate_pv_fp8``: the FP8 wgmma's own accumulation is too coarse). With
+  ``TuningConfig.overlap_pv`` the preparation of page i + 1 runs while page i's ``P V`` is
+  on the tensor cores, into the other of two V^T buffers.
+
+On hardware the V^T buffers reuse the SMEM of Q's content, which the softmax warpgroup
+holds in registers; that leaves room for a 4-stage ring (``default_stages``).
 
 Pages arrive by TMA (three per page, a barrier each: the E4M3 content ``[64, 512]``, the
 per-token scales ``[64]``, the pre-scaled BF16 RoPE ``[64, 64]``) into a
@@ -29,8 +32,8 @@ its own V preparation, ``num_stages`` pages ahead.
 
 Eq. 12-13 of the paper: each P·V warpgroup keeps ``O`` in units of the latest block scale,
 ``O_true = sigma_k * acc``, so a step is ``acc <- acc * (alpha * sigma_{k-1} / sigma_k)
-+ P_q V_q``: the block scale rides on the online-softmax rescaling, the wgmma accumulates
-in place, and pages are visited in strictly increasing order. A page whose ``P'`` is all
++ P_q V_q``: the block scale rides on the online-softmax rescaling (one multiply per
+element of ``acc``, no division), and pages are visited in strictly increasing order. A page whose ``P'`` is all
 zero for a row (masked) keeps the previous scale instead of the epsilon.
 
 ``P_q V`` has two implementations (``pv=``):
