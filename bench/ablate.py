@@ -57,8 +57,9 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     ],
     # P V accumulated in place on the tensor cores, page after page (imprecise: the cost of
     # promoting each page's product to f32)
-    "pv_chunk_32": [("PV_CHUNK = 64 ", "PV_CHUNK = 32 ")],
-    "pv_chunk_128": [("PV_CHUNK = 64 ", "PV_CHUNK = 128 ")],
+    "pv_chunk_64": [("PV_CHUNK = 32 ", "PV_CHUNK = 64 ")],
+    "pv_chunk_64_serial": [("PV_CHUNK = 32 ", "PV_CHUNK = 64 "), ("wait_n=1", "wait_n=0")],
+    "pv_serial": [("wait_n=1", "wait_n=0")],  # each chunk waits for the next one too
     "pv_in_place": [
         ("          acc = accumulate_pv_fp8(acc, p_smem.at[buf], v_smem[half])\n",
          "          acc = common.accumulate_pv(acc, p_smem.at[buf], v_smem[half].T,\n"

@@ -84,7 +84,7 @@ _HALF_PAGE = PAGE_SIZE // 2
 SOFTMAX_WG = 0
 PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
-PV_CHUNK = 64              # output columns per FP8 P V product (accumulate_pv_fp8)
+PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
@@ -184,9 +184,10 @@ def accumulate_pv_fp8(acc, p_smem, vt_smem, under_first_chunk=None):
 
   Hopper's FP8 wgmma adds into its accumulator with only ~14 bits of precision (the
   DeepSeek-V3 report, 3.3.2), so accumulating page after page in place loses precision
-  with the number of pages a CTA visits (rel. L2 1.2e-2 against the emulation at 521
-  pages). Here each ``PV_CHUNK``-column chunk of the page's product runs on a fresh
-  accumulator and is added to ``acc`` in f32: 32 extra registers, not 128.
+  with the pages a CTA visits (rel. L2 6.4e-2 against the emulation at 2048 pages,
+  ``bench/pv_precision.py``). Here each ``PV_CHUNK``-column chunk of the page's product
+  runs on a fresh accumulator and is added to ``acc`` in f32 while the next chunk's wgmma
+  runs: two chunks' registers live at a time, next to ``acc``'s.
 
   Args:
     acc: f32 ``[64, dims]``.
@@ -194,16 +195,24 @@ def accumulate_pv_fp8(acc, p_smem, vt_smem, under_first_chunk=None):
     vt_smem: e4m3 ``[dims, 64]``, V^T (latent dims x tokens).
     under_first_chunk: called while the first chunk's wgmma runs.
   """
-  chunks = []
-  for c in range(0, acc.shape[1], PV_CHUNK):
-    def product(chunk_ref, c=c):
-      plgpu.wgmma(chunk_ref, p_smem, vt_smem.at[pl.ds(c, PV_CHUNK)].T)
-      if c == 0 and under_first_chunk is not None:
+  starts = range(0, acc.shape[1], PV_CHUNK)
+
+  def issue(i, previous_ref):
+    """Chunk i's wgmma, then chunk i - 1's sum while it runs; returns chunks i - 1 on."""
+    def scope(chunk_ref):
+      plgpu.wgmma(chunk_ref, p_smem, vt_smem.at[pl.ds(starts[i], PV_CHUNK)].T)
+      if i == 0 and under_first_chunk is not None:
         under_first_chunk()
-      return chunk_ref[...]
-    chunks.append(acc[:, c:c + PV_CHUNK]
-                  + pl.run_scoped(product, plgpu.ACC((acc.shape[0], PV_CHUNK), jnp.float32)))
-  return jnp.concatenate(chunks, axis=1)
+      done = []
+      if previous_ref is not None:  # chunk i - 1 is done once at most one wgmma is pending
+        done.append(acc[:, starts[i - 1]:starts[i]]
+                    + plgpu.wgmma_accumulator_load(previous_ref, wait_n=1))
+      if i + 1 < len(starts):
+        return done + issue(i + 1, chunk_ref)
+      return done + [acc[:, starts[i]:] + chunk_ref[...]]
+    return pl.run_scoped(scope, plgpu.ACC((acc.shape[0], PV_CHUNK), jnp.float32))
+
+  return jnp.concatenate(issue(0, None), axis=1)
 
 
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
