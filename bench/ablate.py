@@ -52,19 +52,15 @@ ABLATIONS = {  # name: [(old source, new source), ...]
         ("p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])", "pass"),
     ],
     "no_pv": [
-        ("          acc = accumulate_pv_fp8(acc, p_smem.at[buf], v_smem[half])\n",
-         "          pass\n"),
+        ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, "
+         "v_smem[half])\n",
+         "        acc = acc * common.row_broadcast(factor, acc.shape)\n"),
     ],
-    # P V accumulated in place on the tensor cores, page after page (imprecise: the cost of
-    # promoting each page's product to f32)
+    # With --promote-pv: the chunks of the page's product in f32 (accumulate_pv_fp8)
     "pv_chunk_64": [("PV_CHUNK = 32 ", "PV_CHUNK = 64 ")],
-    "pv_chunk_64_serial": [("PV_CHUNK = 32 ", "PV_CHUNK = 64 "), ("wait_n=1", "wait_n=0")],
     "pv_serial": [("wait_n=1", "wait_n=0")],  # each chunk waits for the next one too
-    "pv_in_place": [
-        ("          acc = accumulate_pv_fp8(acc, p_smem.at[buf], v_smem[half])\n",
-         "          acc = common.accumulate_pv(acc, p_smem.at[buf], v_smem[half].T,\n"
-         "                                     in_place=in_place)\n"),
-    ],
+    # P V accumulated in place over every page of a split, however many
+    "no_split_cap": [("FP8_PV_MAX_PAGES = 256 ", "FP8_PV_MAX_PAGES = 1 << 30 ")],
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
         ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),
     ],
@@ -133,6 +129,7 @@ def main():
   parser.add_argument("--splits", type=int, default=None,
                       help="KV splits per sequence (fewer CTAs than SMs: per-SM vs global limits)")
   parser.add_argument("--overlap-pv", action="store_true", help="TuningConfig.overlap_pv")
+  parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   args = parser.parse_args()
   from bench.kernel import SCALE, make_inputs, measure
 
@@ -148,7 +145,8 @@ def main():
     row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
     splits = args.splits or mla_decode_fp8.common.default_num_splits(batch, row_tiles,
                                                                       context // 64)
-    config = mla_decode_fp8.common.TuningConfig(num_splits=splits, overlap_pv=args.overlap_pv)
+    config = mla_decode_fp8.common.TuningConfig(num_splits=splits, overlap_pv=args.overlap_pv,
+                                                promote_pv=args.promote_pv)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None

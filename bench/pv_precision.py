@@ -1,8 +1,13 @@
-"""How the FP8 kernel's error grows with the pages one CTA visits (one split per sequence).
+"""How the FP8 kernel's error grows with the pages one CTA visits.
 
-Compares the kernel (``P V`` promoted to f32 after each page) with the ``pv_in_place``
-ablation (every page accumulated in place on the FP8 wgmma, whose additions keep ~14 bits)
-against the exact emulation and the f32 reference. A GPU script: prints a markdown table.
+One sequence of ``pages`` pages, against the exact emulation and the f32 reference:
+
+* ``in place, capped``: the kernel's default (P V accumulated in place on the FP8 wgmma,
+  whose additions keep ~14 bits; splits of at most ``FP8_PV_MAX_PAGES`` pages);
+* ``in place, 1 split``: the same over every page in one CTA (``no_split_cap`` ablation);
+* ``promoted, 1 split``: ``TuningConfig.promote_pv`` (each page's product added in f32).
+
+A GPU script: prints a markdown table.
 
   python bench/pv_precision.py [--pages 16 64 256 1024 2048] [--heads 64]
 """
@@ -26,7 +31,10 @@ def main():
   parser.add_argument("--pages", type=int, nargs="*", default=[16, 64, 256, 1024, 2048])
   parser.add_argument("--heads", type=int, default=64)
   args = parser.parse_args()
-  kernels = {name: variant(name).mla_decode_fp8 for name in ("base", "pv_in_place")}
+  base, uncapped = variant("base").mla_decode_fp8, variant("no_split_cap").mla_decode_fp8
+  kernels = {"in place, capped": (base, TuningConfig()),
+             "in place, 1 split": (uncapped, TuningConfig(num_splits=1)),
+             "promoted, 1 split": (base, TuningConfig(num_splits=1, promote_pv=True))}
   lines = ["| pages a CTA | kernel | rel L2 vs emulation | rel L2 vs f32 | emulation vs f32 |",
            "|---|---|---|---|---|"]
   for pages in args.pages:
@@ -37,9 +45,9 @@ def main():
     ref, _ = mla_decode_reference(case.q_nope, case.q_rope, case.ckv, case.k_rope,
                                   case.seq_lens, softmax_scale=SCALE)
     qc, qs, qr = quant.quantize_query(case.q_nope, case.q_rope)
-    for name, kernel in kernels.items():
+    for name, (kernel, config) in kernels.items():
       out, _ = kernel(qc, qs, qr, cache.content, cache.scale, cache.rope, case.block_table,
-                      case.seq_lens, softmax_scale=SCALE, config=TuningConfig(num_splits=1))
+                      case.seq_lens, softmax_scale=SCALE, config=config)
       out = np.asarray(out, np.float32)
       lines.append(f"| {pages} | {name} | {rel_l2(out, emu):.2e} | {rel_l2(out, ref):.2e} | "
                    f"{rel_l2(np.asarray(emu), ref):.2e} |")

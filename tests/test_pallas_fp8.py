@@ -140,6 +140,20 @@ def test_lowers_for_cuda(batch, s_q, heads, context, pv):
 
 
 @pytest.mark.timeout(300)
+def test_promote_pv_lowers_for_cuda():
+  assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8", config=TuningConfig(promote_pv=True))
+
+
+def test_fp8_pv_splits_are_capped():
+  """``pv="fp8"`` accumulates P V in place: no split gets more than FP8_PV_MAX_PAGES pages
+  (the partial outputs' leading axis is the split count)."""
+  hlo = lower(1, 1, 64, 2048 * 64, "fp8", config=TuningConfig(num_splits=1))
+  assert "tensor<8x1x64x512xf32>" in hlo
+  hlo = lower(1, 1, 64, 2048 * 64, "fp8", config=TuningConfig(num_splits=1, promote_pv=True))
+  assert "tensor<1x1x64x512xf32>" in hlo
+
+
+@pytest.mark.timeout(300)
 def test_overlap_pv_lowers_for_cuda():
   assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=TuningConfig(overlap_pv=True))
 
@@ -171,6 +185,9 @@ def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match="2-stage ring"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
          config=TuningConfig(num_stages=3))
+  with pytest.raises(ValueError, match="promote_pv needs pv='fp8'"):
+    call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="f16",
+         config=TuningConfig(promote_pv=True))
   with pytest.raises(ValueError, match="overlap_pv needs pv='fp8'"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="f16",
          config=TuningConfig(overlap_pv=True))
@@ -204,18 +221,20 @@ def test_gpu_overlap_pv(batch, s_q, heads, seq_lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv,schedule", GPU_ROUTES)
+@pytest.mark.parametrize("pv,schedule,promote", [*((*r, False) for r in GPU_ROUTES),
+                                                 ("fp8", "softmax_wg", True)])
 @pytest.mark.parametrize("batch,heads,seq_lens,splits", [
-    (2, 128, [1, 100_000], 3),   # 521 pages a CTA
-    (1, 64, [131_072], 1),       # 2048 pages in one CTA
+    (2, 128, [1, 100_000], 3),   # 521 pages a split asked for
+    (1, 64, [131_072], 1),       # 2048
 ])
-def test_gpu_long_splits(batch, heads, seq_lens, splits, pv, schedule):
-  """Many pages a CTA: the P V accumulation stays within the emulation's tolerance."""
+def test_gpu_long_splits(batch, heads, seq_lens, splits, pv, schedule, promote):
+  """Many pages a split: the P V accumulation stays within the emulation's tolerance
+  (``pv="fp8"`` raises the splits to 256 pages each, or promotes each page to f32)."""
   case = make_case(batch + heads, seq_lens, s_q=1, heads=heads, kinds=("fp8",))
   err, lerr, ref_err = run_and_check(case, s_q=1, pv=pv, schedule=schedule,
-                                     config=TuningConfig(num_splits=splits))
-  print(f"fp8-{pv}-{schedule} long b={batch} h={heads} splits={splits}: rel_l2={err:.2e} "
-        f"lse_err={lerr:.2e} vs_fp32={ref_err:.2e}")
+                                     config=TuningConfig(num_splits=splits, promote_pv=promote))
+  print(f"fp8-{pv}-{schedule} long b={batch} h={heads} splits={splits} promote={promote}: "
+        f"rel_l2={err:.2e} lse_err={lerr:.2e} vs_fp32={ref_err:.2e}")
 
 
 @pytest.mark.gpu

@@ -55,13 +55,17 @@ class TuningConfig:
     num_stages: depth of the SMEM page ring (pages in flight per CTA); ``None`` picks the
       kernel's default.
     num_splits: KV splits per sequence; ``None`` picks enough to fill the GPU once
-      (``default_num_splits``).
+      (``default_num_splits``). The FP8 kernel's ``pv="fp8"`` may raise it (``promote_pv``).
     overlap_pv: (FP8 kernel, ``pv="fp8"``) each P V warpgroup builds page i + 1's V^T
       while page i's ``P V`` runs on the tensor cores (two V^T buffers, in Q's SMEM).
+    promote_pv: (FP8 kernel, ``pv="fp8"``) add each page's ``P V`` to the output in f32
+      instead of accumulating pages in place on the FP8 wgmma (whose additions keep ~14
+      bits); without it the kernel raises ``num_splits`` to keep at most 256 pages a split.
   """
   num_stages: int | None = None
   num_splits: int | None = None
   overlap_pv: bool = False
+  promote_pv: bool = False
 
   def __post_init__(self):
     if self.num_stages is not None and self.num_stages < 2:

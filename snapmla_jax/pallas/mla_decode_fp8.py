@@ -13,10 +13,16 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   tensor cores run the next QK under this page's softmax.
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
-  ``acc <- acc * factor + P_q V`` (on ``pv="fp8"`` each page's product is added in f32,
-  ``accumulate_pv_fp8``: the FP8 wgmma's own accumulation is too coarse). With
+  ``acc <- acc * factor + P_q V``. With
   ``TuningConfig.overlap_pv`` the preparation of page i + 1 runs while page i's ``P V`` is
   on the tensor cores, into the other of two V^T buffers.
+
+The FP8 wgmma adds into its accumulator with ~14 bits: accumulated in place, ``P V``'s
+error grows with the pages a CTA visits (rel. L2 against the emulation 3.4e-3 at 64 pages,
+6.9e-3 at 256, 6.4e-2 at 2048; the emulation's own error against f32 is ~3e-2), so on
+``pv="fp8"`` the splits keep at most ``FP8_PV_MAX_PAGES`` pages each.
+``TuningConfig.promote_pv`` instead adds each page's product in f32
+(``accumulate_pv_fp8``; 1.8e-3 at 2048 pages, but slower so far).
 
 On hardware the V^T buffers reuse the SMEM of Q's content, which the softmax warpgroup
 holds in registers; that leaves room for a 4-stage ring (``default_stages``).
@@ -85,6 +91,7 @@ SOFTMAX_WG = 0
 PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
 PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
+FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (_decode)
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
@@ -180,7 +187,8 @@ def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
 
 
 def accumulate_pv_fp8(acc, p_smem, vt_smem, under_first_chunk=None):
-  """``acc + P_q V`` on E4M3 wgmma, promoted to f32 after each page.
+  """``acc + P_q V`` on E4M3 wgmma, promoted to f32 after each page
+  (``TuningConfig.promote_pv``).
 
   Hopper's FP8 wgmma adds into its accumulator with only ~14 bits of precision (the
   DeepSeek-V3 report, 3.3.2), so accumulating page after page in place loses precision
@@ -222,7 +230,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             factor_smem, lse_smem,                               # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool):
+            pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool,
+            promote_pv: bool):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
                                                                              lens_ref)
   wg = lax.axis_index("wg")
@@ -399,15 +408,25 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         plgpu.barrier_wait(p_ready.at[buf])
       return buf, factor_smem.at[buf][...]
 
+    def accumulate(acc, buf, v, under=None):
+      """``acc + P_q V``, P_q in buffer ``buf``, V's half (f16) or V^T's (fp8) in ``v``;
+      ``under()`` runs while the (first) wgmma does."""
+      if pv_impl == "fp8" and promote_pv:
+        return accumulate_pv_fp8(acc, p_smem.at[buf], v, under)
+      v = v if pv_impl == "f16" else v.T
+      if under is None:
+        return common.accumulate_pv(acc, p_smem.at[buf], v, in_place=in_place)
+
+      def accumulate_under(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem.at[buf], v)
+        under()
+      return pl.run_state(accumulate_under)(plgpu.ACC.init(acc))
+
     def step_fn(step, acc):
       prepare_page(step)
       buf, factor = wait_p(step)
       with jax.named_scope("pv"):
-        acc = acc * common.row_broadcast(factor, acc.shape)
-        if pv_impl == "f16":
-          acc = common.accumulate_pv(acc, p_smem.at[buf], v_smem[half], in_place=in_place)
-        else:
-          acc = accumulate_pv_fp8(acc, p_smem.at[buf], v_smem[half])
+        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v_smem[half])
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
@@ -422,8 +441,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         def _():
           prepare_page(step + 1, 1 - parity)
       with jax.named_scope("pv"):
-        acc = accumulate_pv_fp8(acc * common.row_broadcast(factor, acc.shape),
-                                p_smem.at[buf], v_smem[half].at[parity], prepare_next_page)
+        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf,
+                         v_smem[half].at[parity], prepare_next_page)
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
@@ -462,7 +481,7 @@ def default_stages(pv_impl: PvImpl, *, v_in_q: bool, overlap_pv: bool) -> int:
 
 
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       overlap_pv=False):
+                       overlap_pv=False, promote_pv=False):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
@@ -477,7 +496,7 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      overlap_pv=overlap_pv)
+      overlap_pv=overlap_pv, promote_pv=promote_pv)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
@@ -547,6 +566,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   padded = row_tiles * QUERY_TILE
   max_pages = block_table.shape[1]
   num_splits = config.num_splits or common.default_num_splits(batch, row_tiles, max_pages)
+  if pv == "fp8" and not config.promote_pv:  # P V accumulated in place: bound its pages
+    num_splits = max(num_splits, pl.cdiv(max_pages, FP8_PV_MAX_PAGES))
   qc = common.pack_query_rows(q_content, padded)
   qs = common.pack_query_rows(q_scale, padded)
   qr = common.pack_query_rows(q_rope, padded)
@@ -559,6 +580,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
+        promote_pv=config.promote_pv,
         **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
@@ -638,6 +660,9 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f'schedule must be "softmax_wg" or "seesaw", got {schedule=!r}')
   if schedule == "seesaw" and config.num_stages not in (None, 2):
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
+  if config.promote_pv and (pv, schedule) != ("fp8", "softmax_wg"):
+    raise ValueError("config.promote_pv needs pv='fp8' and schedule='softmax_wg', "
+                     f"got {pv=!r}, {schedule=!r}")
   if config.overlap_pv and (pv, schedule, bool(interpret)) != ("fp8", "softmax_wg", False):
     raise ValueError("config.overlap_pv needs pv='fp8', schedule='softmax_wg' and a GPU, "
                      f"got {pv=!r}, {schedule=!r}, {interpret=}")

@@ -51,9 +51,9 @@ from snapmla_jax import quant
 from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, PvImpl,
-                                               accumulate_pv_fp8, dequantize_v_half,
-                                               issue_page_copies, operand_smem, query_smem,
-                                               store_p_tile, transpose_v_half)
+                                               dequantize_v_half, issue_page_copies,
+                                               operand_smem, query_smem, store_p_tile,
+                                               transpose_v_half)
 
 NUM_WARPGROUPS = 2
 STAGES = 2   # page t in slot t % 2: a slot's pages all belong to warpgroup t % 2
@@ -117,10 +117,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       buf = lax.rem(step, BUFFERS)
       gamma = load_rows(state_smem.at[buf, _GAMMA])
       v = v_smem[half].at[lax.rem(step, V_BUFFERS)]
-      acc = acc * common.row_broadcast(gamma, acc.shape)
-      if pv_impl == "f16":
-        return common.accumulate_pv(acc, p_smem.at[buf], v, in_place=in_place)
-      return accumulate_pv_fp8(acc, p_smem.at[buf], v)
+      return common.accumulate_pv(acc * common.row_broadcast(gamma, acc.shape),
+                                  p_smem.at[buf], v if pv_impl == "f16" else v.T,
+                                  in_place=in_place)
 
     def accumulate_others(step, acc):
       """``accumulate`` of the other warpgroup's page ``step``."""
