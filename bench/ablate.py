@@ -62,7 +62,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     # P V accumulated in place over every page of a split, however many
     "no_split_cap": [("FP8_PV_MAX_PAGES = 256 ", "FP8_PV_MAX_PAGES = 1 << 30 ")],
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
-        ("bt_ref[b, first_page + step], slot, kv_ready)", "bt_ref[b, first_page], slot, kv_ready)"),
+        ("bt_ref[b, first_page + step], slot, kv_ready, pair_axis)",
+         "bt_ref[b, first_page], slot, kv_ready, pair_axis)"),
     ],
     "one_stage_less": [("return 4 if v_in_q and not overlap_pv else 3",
                         "return 3 if v_in_q and not overlap_pv else 2")],
@@ -130,6 +131,7 @@ def main():
                       help="KV splits per sequence (fewer CTAs than SMs: per-SM vs global limits)")
   parser.add_argument("--overlap-pv", action="store_true", help="TuningConfig.overlap_pv")
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
+  parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
   args = parser.parse_args()
   from bench.kernel import SCALE, make_inputs, measure
 
@@ -146,7 +148,8 @@ def main():
     splits = args.splits or mla_decode_fp8.common.default_num_splits(batch, row_tiles,
                                                                       context // 64)
     config = mla_decode_fp8.common.TuningConfig(num_splits=splits, overlap_pv=args.overlap_pv,
-                                                promote_pv=args.promote_pv)
+                                                promote_pv=args.promote_pv,
+                                                multicast=args.multicast)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None

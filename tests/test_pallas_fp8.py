@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from snapmla_jax import quant
-from snapmla_jax.pallas.common import TuningConfig
+from snapmla_jax.pallas.common import TuningConfig, num_row_tiles
 from snapmla_jax.pallas.mla_decode_fp8 import _decode, mla_decode_fp8
 from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
                                  make_poisoned_case, rel_l2)
@@ -140,6 +140,11 @@ def test_lowers_for_cuda(batch, s_q, heads, context, pv):
 
 
 @pytest.mark.timeout(300)
+def test_multicast_lowers_for_cuda():  # a cluster of two row tiles per sequence
+  assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=TuningConfig(multicast=True))
+
+
+@pytest.mark.timeout(300)
 def test_promote_pv_lowers_for_cuda():
   assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8", config=TuningConfig(promote_pv=True))
 
@@ -185,6 +190,9 @@ def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match="2-stage ring"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
          config=TuningConfig(num_stages=3))
+  with pytest.raises(ValueError, match="does not multicast"):
+    call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
+         config=TuningConfig(multicast=True))
   with pytest.raises(ValueError, match="promote_pv needs pv='fp8'"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="f16",
          config=TuningConfig(promote_pv=True))
@@ -217,6 +225,21 @@ def test_gpu_overlap_pv(batch, s_q, heads, seq_lens):
     err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8",
                                  config=TuningConfig(num_splits=splits, overlap_pv=True))
     print(f"fp8-fp8-overlap b={batch} s_q={s_q} h={heads} splits={splits}: "
+          f"rel_l2={err:.2e} lse_err={lerr:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
+@pytest.mark.parametrize("batch,s_q,heads,seq_lens",
+                         [c for c in GPU_GRID if num_row_tiles(c[1], c[2]) % 2 == 0])
+def test_gpu_multicast(batch, s_q, heads, seq_lens, pv):
+  """Pairs of row tiles in a cluster, each page multicast into both CTAs' rings."""
+  case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
+                   zero_tokens=3)
+  for splits in (None, 3):
+    err, lerr, _ = run_and_check(case, s_q=s_q, pv=pv,
+                                 config=TuningConfig(num_splits=splits, multicast=True))
+    print(f"fp8-{pv}-multicast b={batch} s_q={s_q} h={heads} splits={splits}: "
           f"rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 

@@ -61,11 +61,15 @@ class TuningConfig:
     promote_pv: (FP8 kernel, ``pv="fp8"``) add each page's ``P V`` to the output in f32
       instead of accumulating pages in place on the FP8 wgmma (whose additions keep ~14
       bits); without it the kernel raises ``num_splits`` to keep at most 256 pages a split.
+    multicast: (FP8 kernel) pair the CTAs of consecutive row tiles of a sequence in a
+      cluster of two that copies each page once from L2 and multicasts it into both
+      CTAs' rings, halving the L2 -> SM traffic; only where the row tiles are even.
   """
   num_stages: int | None = None
   num_splits: int | None = None
   overlap_pv: bool = False
   promote_pv: bool = False
+  multicast: bool = False
 
   def __post_init__(self):
     if self.num_stages is not None and self.num_stages < 2:
@@ -112,14 +116,18 @@ def num_row_tiles(s_q: int, heads: int) -> int:
   return pl.cdiv(s_q * heads, QUERY_TILE)
 
 
-def cta_work(ranges_ref, lens_ref):
+def cta_work(ranges_ref, lens_ref, pair_axis: str | None = None):
   """In a kernel: what this CTA works on, from its grid position.
 
   Returns ``(row_tile, split, batch, first_page, num_steps, seq_len, rows)``: the grid
   indices, the split's first page and page count (``ranges_ref``, from
   ``split_page_ranges``), the sequence's length and the ``pl.ds`` of its query rows.
+  With ``pair_axis`` (a cluster axis of size 2), the grid's ``"rows"`` counts pairs of
+  row tiles and the CTA owns tile ``2 * rows + pair``.
   """
   row_tile, split, b = (lax.axis_index(n) for n in ("rows", "split", "batch"))
+  if pair_axis is not None:
+    row_tile = 2 * row_tile + lax.axis_index(pair_axis)
   first_page = ranges_ref[b, split, 0]
   num_steps = ranges_ref[b, split, 1] - first_page
   rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)

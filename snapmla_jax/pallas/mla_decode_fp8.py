@@ -34,7 +34,9 @@ every thread at 128 registers (ptxas allocates the whole kernel at the launch's 
 does not follow setmaxnreg), too few for a ``64 x 256`` f32 accumulator. Warpgroup 1
 issues the copies instead: a page's slot is released as soon as its QK, its scales and
 both V preparations are done (before any ``P V``), and warpgroup 1 refills it right after
-its own V preparation, ``num_stages`` pages ahead.
+its own V preparation, ``num_stages`` pages ahead. With ``TuningConfig.multicast`` the two
+CTAs of a sequence's row tiles form a cluster: each copies half of every page and
+multicasts it into both rings, and a slot is refilled once both CTAs released it.
 
 Eq. 12-13 of the paper: each P·V warpgroup keeps ``O`` in units of the latest block scale,
 ``O_true = sigma_k * acc``, so a step is ``acc <- acc * (alpha * sigma_{k-1} / sigma_k)
@@ -95,7 +97,8 @@ FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
-def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready) -> None:
+def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready,
+                      collective_axes: str | None = None) -> None:
   """Starts the three TMAs of cache page ``page`` into ring slot ``slot``.
 
   Args:
@@ -103,9 +106,12 @@ def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready) -> None:
     ring_smem: SMEM ``(content [stages, 64, 512], scale [stages, 64], rope [stages, 64, 64])``.
     kv_ready: ``3 * stages`` barriers, ``slot * 3 + which`` for the copy ``which`` of
       ``(_CONTENT, _SCALE, _ROPE)``.
+    collective_axes: a cluster axis whose CTAs all call this for the same page: each
+      copies its share and multicasts it into every CTA's slot.
   """
   for which, (src, dst) in enumerate(zip(cache_refs, ring_smem)):
-    plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + which])
+    plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + which],
+                            collective_axes=collective_axes)
 
 
 def dequantize_v_half(page_smem, v_smem, half: int, first_token, seq_len, masked: bool):
@@ -231,9 +237,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool,
-            promote_pv: bool):
-  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
-                                                                             lens_ref)
+            promote_pv: bool, pair_axis: str | None):
+  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
+      ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
   # v_smem[half]: each P V warpgroup's half of V (f16) or V^T (fp8); with ``overlap_pv``
   # two of them, ``[page parity]``. V^T lives in the SMEM of Q's content when the softmax
@@ -253,7 +259,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
   def issue_copies(step, slot):
     issue_page_copies((content_ref, scale_ref, rope_ref), (kc_smem, ks_smem, kr_smem),
-                      bt_ref[b, first_page + step], slot, kv_ready)
+                      bt_ref[b, first_page + step], slot, kv_ready, pair_axis)
 
   def dequantize_v(slot, half, first_token, masked: bool):
     dequantize_v_half(kc_smem.at[slot], v_smem[half], half, first_token, seq_len, masked)
@@ -481,7 +487,7 @@ def default_stages(pv_impl: PvImpl, *, v_in_q: bool, overlap_pv: bool) -> int:
 
 
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       overlap_pv=False, promote_pv=False):
+                       overlap_pv=False, promote_pv=False, pair_axis=None):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
@@ -489,14 +495,22 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   content, free once the softmax warpgroup holds Q in registers, which leaves room for a
   fourth stage. ``overlap_pv`` (``pv="fp8"``, hardware): two V^T buffers per P V
   warpgroup, so that page i + 1's V^T is built while page i's ``P V`` runs.
-  ``stages``: ``None`` for ``default_stages``.
+  ``stages``: ``None`` for ``default_stages``. ``pair_axis``: the cluster axis of two CTAs
+  (consecutive row tiles) that share every page: a slot is refilled (by both, each copying
+  half of the page into both rings) once the consumers of both CTAs have released it.
   """
   v_in_q = in_place and pv_impl == "fp8"
   stages = stages or default_stages(pv_impl, v_in_q=v_in_q, overlap_pv=overlap_pv)
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      overlap_pv=overlap_pv, promote_pv=promote_pv)
+      overlap_pv=overlap_pv, promote_pv=promote_pv, pair_axis=pair_axis)
+  # released by the softmax (QK, scales) and both P V warpgroups (V prepared), of each CTA
+  if pair_axis is None:
+    kv_free = plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages)
+  else:
+    kv_free = plgpu.ClusterBarrier(collective_axes=(pair_axis,),
+                                   num_arrivals=1 + len(PV_WGS), num_barriers=stages)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
@@ -513,8 +527,7 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=3 * stages),
-      # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
-      plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages),
+      kv_free,
       plgpu.Barrier(num_barriers=P_BUFFERS),
       plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
       plgpu.Barrier() if v_in_q else (),  # Q's SMEM is free
@@ -574,21 +587,25 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
   params = dict(s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
                 pv_impl=pv, in_place=not interpret)
+  grid = dict(grid=(row_tiles, num_splits, batch), grid_names=("rows", "split", "batch"))
   if schedule == "seesaw":
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   else:
+    pair_axis = None
+    if config.multicast and row_tiles % 2 == 0 and not interpret:
+      pair_axis = "pair"  # (the launch's fastest axis: each pair's two CTAs side by side)
+      grid = dict(grid=(batch, num_splits, row_tiles // 2),
+                  grid_names=("batch", "split", "rows"), cluster=(2,), cluster_names=("pair",))
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
-        promote_pv=config.promote_pv,
-        **params)
+        promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
       scratch_types=scratch,
-      grid=(row_tiles, num_splits, batch),
-      grid_names=("rows", "split", "batch"),
+      **grid,
       num_threads=num_warpgroups,
       thread_name="wg",
       # No thread reads SMEM it writes: V^T, P, the factors and the LSE are written by one
@@ -660,6 +677,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f'schedule must be "softmax_wg" or "seesaw", got {schedule=!r}')
   if schedule == "seesaw" and config.num_stages not in (None, 2):
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
+  if schedule == "seesaw" and config.multicast:
+    raise ValueError("schedule='seesaw' does not multicast pages, got config.multicast=True")
   if config.promote_pv and (pv, schedule) != ("fp8", "softmax_wg"):
     raise ValueError("config.promote_pv needs pv='fp8' and schedule='softmax_wg', "
                      f"got {pv=!r}, {schedule=!r}")
