@@ -5,6 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~8 min)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
@@ -15,6 +16,21 @@ OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 status=0
+# SM clock and power every 200 ms while timing (does a busy kernel throttle the clock?):
+# the busy samples' (over 200 W) clock range and peak power print at the end.
+summarize_clocks() {
+  kill "$sampler" 2>/dev/null
+  awk -F', ' '$2 > 200 {print $1, $2}' "$OUT/clocks_$what.csv" | sort -n | awk '
+    {clock[NR] = $1; if ($2 > peak) peak = $2}
+    END {if (NR) printf "busy samples %d: SM clock %d-%d MHz (median %d), peak %.0f W\n",
+                        NR, clock[1], clock[NR], clock[int((NR + 1) / 2)], peak}'
+}
+if [[ $what == bench || $what == ablate ]]; then
+  nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 200 \
+    > "$OUT/clocks_$what.csv" 2>/dev/null &
+  sampler=$!
+  trap summarize_clocks EXIT
+fi
 case $what in
   tests|all)
     args=("$@"); [[ ${#args[@]} -eq 0 || $what == all ]] && args=(tests/test_pallas_*.py tests/test_quant.py)
@@ -24,6 +40,12 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
+  next)  # the sixth session's open measurements (~8 min): P V precision routes, multicast,
+         # the knobs' speed, and what ptxas made of promote_pv
+    timeout 200 bash "$0" tests tests/test_pallas_fp8.py -k "long_splits or (multicast and fp8)"
+    status=$?
+    timeout 200 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw
+    timeout 90 bash "$0" sass --only fp8-promoted | grep -E "ptxas|total" ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
