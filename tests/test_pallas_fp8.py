@@ -22,6 +22,8 @@ two-core machine, where a single device's pool deadlocks.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,8 +142,10 @@ def test_lowers_for_cuda(batch, s_q, heads, context, pv):
 
 
 @pytest.mark.timeout(300)
-def test_multicast_lowers_for_cuda():  # a cluster of two row tiles per sequence
-  assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=TuningConfig(multicast=True))
+@pytest.mark.parametrize("overlap_pv", [False, True])
+def test_multicast_lowers_for_cuda(overlap_pv):  # a cluster of two row tiles per sequence
+  config = TuningConfig(multicast=True, overlap_pv=overlap_pv)
+  assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=config)
 
 
 @pytest.mark.timeout(300)
@@ -233,14 +237,15 @@ def test_gpu_overlap_pv(batch, s_q, heads, seq_lens):
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens",
                          [c for c in GPU_GRID if num_row_tiles(c[1], c[2]) % 2 == 0])
 def test_gpu_multicast(batch, s_q, heads, seq_lens, pv):
-  """Pairs of row tiles in a cluster, each page multicast into both CTAs' rings."""
+  """Pairs of row tiles in a cluster, each page multicast into both CTAs' rings (with
+  ``overlap_pv`` too on ``pv="fp8"``)."""
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
-  for splits in (None, 3):
-    err, lerr, _ = run_and_check(case, s_q=s_q, pv=pv,
-                                 config=TuningConfig(num_splits=splits, multicast=True))
-    print(f"fp8-{pv}-multicast b={batch} s_q={s_q} h={heads} splits={splits}: "
-          f"rel_l2={err:.2e} lse_err={lerr:.2e}")
+  for splits, overlap_pv in itertools.product((None, 3), (False, True)[:1 + (pv == "fp8")]):
+    config = TuningConfig(num_splits=splits, multicast=True, overlap_pv=overlap_pv)
+    err, lerr, _ = run_and_check(case, s_q=s_q, pv=pv, config=config)
+    print(f"fp8-{pv}-multicast b={batch} s_q={s_q} h={heads} splits={splits} "
+          f"overlap_pv={overlap_pv}: rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 
 @pytest.mark.gpu
