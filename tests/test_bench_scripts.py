@@ -34,3 +34,11 @@ def test_e2e_small_run(tmp_path):
           if line.startswith("| 100 ")]
   assert [(r[1], r[2], r[3]) for r in rows] == [("bf16", "2", "1152"), ("fp8", "2", "644"),
                                                 ("fp8", "3", "644")]
+
+
+def test_device_check_script_parses():
+  """A syntax error in the device script would cost a device call to find."""
+  import pathlib
+  import subprocess
+  script = pathlib.Path(__file__).parent.parent / "bench" / "device_check.sh"
+  subprocess.run(["bash", "-n", str(script)], check=True)
