@@ -1,5 +1,8 @@
 """Benchmark scripts run end to end on CPU at small shapes (their figures come from the H200)."""
 
+import pathlib
+import subprocess
+
 import jax
 import jax.numpy as jnp
 
@@ -38,7 +41,5 @@ def test_e2e_small_run(tmp_path):
 
 def test_device_check_script_parses():
   """A syntax error in the device script would cost a device call to find."""
-  import pathlib
-  import subprocess
   script = pathlib.Path(__file__).parent.parent / "bench" / "device_check.sh"
   subprocess.run(["bash", "-n", str(script)], check=True)
