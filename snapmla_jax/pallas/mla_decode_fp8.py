@@ -13,9 +13,9 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   tensor cores run the next QK under this page's softmax.
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
-  ``acc <- acc * factor + P_q V``. With
-  ``TuningConfig.overlap_pv`` the preparation of page i + 1 runs while page i's ``P V`` is
-  on the tensor cores, into the other of two V^T buffers.
+  ``acc <- acc * factor + P_q V``. With ``TuningConfig.overlap_pv`` the preparation of
+  page i + 1 runs while page i's ``P V`` is on the tensor cores, into the other of two V^T
+  buffers.
 
 The FP8 wgmma adds into its accumulator with ~14 bits: accumulated in place, ``P V``'s
 error grows with the pages a CTA visits (rel. L2 against the emulation 3.4e-3 at 64 pages,
@@ -41,8 +41,9 @@ multicasts it into both rings, and a slot is refilled once both CTAs released it
 Eq. 12-13 of the paper: each P·V warpgroup keeps ``O`` in units of the latest block scale,
 ``O_true = sigma_k * acc``, so a step is ``acc <- acc * (alpha * sigma_{k-1} / sigma_k)
 + P_q V_q``: the block scale rides on the online-softmax rescaling (one multiply per
-element of ``acc``, no division), and pages are visited in strictly increasing order. A page whose ``P'`` is all
-zero for a row (masked) keeps the previous scale instead of the epsilon.
+element of ``acc``, no division), and pages are visited in strictly increasing order. A
+page whose ``P'`` is all zero for a row (masked) keeps the previous scale instead of the
+epsilon.
 
 ``P_q V`` has two implementations (``pv=``):
 
