@@ -45,7 +45,7 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          '  return traced\n'),
     ],
     "no_p_quant": [
-        ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",
+        ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
          "p_q = p_fused.astype(_FP8)"),
     ],
     "no_store_p": [
@@ -97,7 +97,7 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
      "                            jnp.maximum(p_max * quant.INV_E4M3_MAX, "
      "quant.SCALE_EPS), sigma_i)",
      "sigma = sigma_i"),
-    ("p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)",
+    ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
      "p_q = p_fused.astype(_FP8)"),
 ]
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.

@@ -335,8 +335,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           p_max = p_fused.max(axis=1)
           sigma = jnp.where(p_max > 0,
                             jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
-          p_q = (p_fused * common.row_broadcast(1.0 / sigma, s.shape)).astype(_FP8)
-          factor = alpha * (sigma_i / sigma)
+          inv_sigma = 1.0 / sigma  # one (IEEE) division per row, not two
+          p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)
+          factor = alpha * sigma_i * inv_sigma
         with jax.named_scope("store_p"):
           @pl.when(step >= P_BUFFERS)
           def _():
