@@ -42,11 +42,11 @@ case $what in
     fi ;;
   next)  # the sixth session's open measurements (~8 min): P V precision routes, multicast,
          # the knobs' speed, and what ptxas made of promote_pv
-    timeout 220 bash "$0" tests tests/test_pallas_fp8.py \
+    timeout 240 bash "$0" tests tests/test_pallas_fp8.py tests/test_pallas_bf16.py \
       -k "(long_splits and softmax_wg) or (gpu_multicast and not f16)"
     status=$?
-    timeout 190 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw
-    timeout 80 bash "$0" sass --only fp8-promoted | grep -E "ptxas|total" ;;
+    timeout 200 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw
+    timeout 70 bash "$0" sass --only fp8-promoted | grep -E "ptxas|total" ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?

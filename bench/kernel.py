@@ -76,6 +76,8 @@ def impls(fp8_config=None):
   return {
       "bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
           q, r, c.latent, bt, sl, softmax_scale=SCALE)),
+      "bf16-multicast": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
+          q, r, c.latent, bt, sl, softmax_scale=SCALE, config=TuningConfig(multicast=True))),
       "fp8-f16": ("fp8", fp8("f16")),
       "fp8-fp8": ("fp8", fp8("fp8")),
       "fp8-overlap": ("fp8", fp8("fp8", overlap_pv=True)),

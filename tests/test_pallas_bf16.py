@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from snapmla_jax.pallas.common import TuningConfig
+from snapmla_jax.pallas.common import TuningConfig, num_row_tiles
 from snapmla_jax.pallas.mla_decode_bf16 import _decode, mla_decode_bf16
 from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
                                  make_poisoned_case, rel_l2)
@@ -107,6 +107,11 @@ def test_lowers_for_cuda(batch, s_q, heads, context):
   assert "mosaic_gpu" in lower(batch, s_q, heads, context)
 
 
+@pytest.mark.timeout(300)
+def test_multicast_lowers_for_cuda():  # a cluster of two row tiles per sequence
+  assert "mosaic_gpu" in lower(32, 1, 128, 16384, config=TuningConfig(multicast=True))
+
+
 def test_rejects_bad_inputs():
   case = make_case(0, [10], kinds=("bf16",))
   q = case.q_nope.astype(jnp.bfloat16)
@@ -144,6 +149,19 @@ def test_gpu_vs_reference(batch, s_q, heads, seq_lens):
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
   err, lerr = run_and_check(case, s_q=s_q)
   print(f"bf16 b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,s_q,heads,seq_lens",
+                         [c for c in GPU_GRID if num_row_tiles(c[1], c[2]) % 2 == 0])
+def test_gpu_multicast(batch, s_q, heads, seq_lens):
+  """Pairs of row tiles in a cluster, each page multicast into both CTAs' rings."""
+  case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
+  for splits in (None, 3):
+    err, lerr = run_and_check(case, s_q=s_q,
+                              config=TuningConfig(num_splits=splits, multicast=True))
+    print(f"bf16-multicast b={batch} s_q={s_q} h={heads} splits={splits}: "
+          f"rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 
 @pytest.mark.gpu

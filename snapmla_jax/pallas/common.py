@@ -61,7 +61,7 @@ class TuningConfig:
     promote_pv: (FP8 kernel, ``pv="fp8"``) add each page's ``P V`` to the output in f32
       instead of accumulating pages in place on the FP8 wgmma (whose additions keep ~14
       bits); without it the kernel raises ``num_splits`` to keep at most 256 pages a split.
-    multicast: (FP8 kernel) pair the CTAs of consecutive row tiles of a sequence in a
+    multicast: (both kernels) pair the CTAs of consecutive row tiles of a sequence in a
       cluster of two that copies each page once from L2 and multicasts it into both
       CTAs' rings, halving the L2 -> SM traffic; only where the row tiles are even.
   """

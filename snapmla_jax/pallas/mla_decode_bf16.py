@@ -9,6 +9,10 @@ one split of its pages; three warpgroups (see ``common``):
   ``P`` (bf16) and the row rescale ``alpha`` into SMEM, then ``O[:, :256] += P V``;
 * compute 1 (wg 1): waits for ``P`` and ``alpha``, ``O[:, 256:] += P V``.
 
+With ``TuningConfig.multicast`` the two CTAs of a sequence's row tiles form a cluster:
+each memory warpgroup copies half of every page and multicasts it into both rings, and a
+slot is refilled once the compute warpgroups of both CTAs released it.
+
 Pages past ``seq_len`` may hold NaN: the scores of those tokens are masked, and the
 tail rows of the last page are zeroed in SMEM before ``P V`` (``0 * NaN`` is NaN).
 """
@@ -65,16 +69,17 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
             q_smem, kv_smem, p_smem, alpha_smem, lse_smem,    # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,        # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            in_place: bool):
-  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
-                                                                             lens_ref)
+            in_place: bool, pair_axis: str | None):
+  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
+      ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
 
   @pl.when(wg == MEMORY_WG)
   def _memory():
     def issue_copies(step, slot):
       page = bt_ref[b, first_page + step]
-      plgpu.copy_gmem_to_smem(latent_ref.at[page], kv_smem.at[slot], kv_ready.at[slot])
+      plgpu.copy_gmem_to_smem(latent_ref.at[page], kv_smem.at[slot], kv_ready.at[slot],
+                              collective_axes=pair_axis)
     _fetch_pages(num_steps, num_stages, kv_free, issue_copies)
 
   def zero_tail(slot, first_token):
@@ -191,9 +196,19 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
 
   stages = config.num_stages or DEFAULT_STAGES
+  grid = dict(grid=(row_tiles, num_splits, batch), grid_names=("rows", "split", "batch"))
+  pair_axis = None
+  # released by both compute warpgroups (of both CTAs of a pair)
+  kv_free = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)
+  if config.multicast and row_tiles % 2 == 0 and not interpret:
+    pair_axis = "pair"  # (the launch's fastest axis: each pair's two CTAs side by side)
+    grid = dict(grid=(batch, num_splits, row_tiles // 2),
+                grid_names=("batch", "split", "rows"), cluster=(2,), cluster_names=("pair",))
+    kv_free = plgpu.ClusterBarrier(collective_axes=(pair_axis,),
+                                   num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
-      num_stages=stages, in_place=not interpret)
+      num_stages=stages, in_place=not interpret, pair_axis=pair_axis)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -206,12 +221,11 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=stages),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
+          kv_free,
           plgpu.Barrier(),
           plgpu.Barrier(),
       ],
-      grid=(row_tiles, num_splits, batch),
-      grid_names=("rows", "split", "batch"),
+      **grid,
       num_threads=NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=common.compiler_params(),
