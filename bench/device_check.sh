@@ -43,7 +43,7 @@ case $what in
   next)  # the sixth session's open measurements (~8 min): P V precision routes, multicast,
          # the knobs' speed, and what ptxas made of promote_pv
     timeout 240 bash "$0" tests tests/test_pallas_fp8.py tests/test_pallas_bf16.py \
-      -k "(long_splits and softmax_wg) or (gpu_multicast and not f16)"
+      -k "(long_splits and fp8-softmax_wg) or gpu_multicast"
     status=$?
     timeout 200 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw
     timeout 70 bash "$0" sass --only fp8-promoted | grep -E "ptxas|total" ;;
