@@ -116,6 +116,33 @@ def num_row_tiles(s_q: int, heads: int) -> int:
   return pl.cdiv(s_q * heads, QUERY_TILE)
 
 
+PAIR_AXIS = "pair"
+
+
+def launch_grid(config: TuningConfig, row_tiles: int, num_splits: int, batch: int,
+                interpret: bool):
+  """``(plgpu.kernel grid arguments, pair_axis)`` of a decode kernel.
+
+  ``(row_tiles, num_splits, batch)`` and no pair axis; with ``config.multicast`` (on
+  hardware, an even number of row tiles) the row tiles of a sequence go in pairs, as a
+  cluster of two along ``PAIR_AXIS``, the launch's fastest axis, so that both CTAs of a
+  pair run side by side (``cta_work`` takes the axis).
+  """
+  if config.multicast and row_tiles % 2 == 0 and not interpret:
+    return dict(grid=(batch, num_splits, row_tiles // 2), grid_names=("batch", "split", "rows"),
+                cluster=(2,), cluster_names=(PAIR_AXIS,)), PAIR_AXIS
+  return dict(grid=(row_tiles, num_splits, batch), grid_names=("rows", "split", "batch")), None
+
+
+def release_barriers(num_arrivals: int, num_stages: int, pair_axis: str | None):
+  """The ring's ``kv_free`` barriers, one per slot, each released by ``num_arrivals``
+  consumers of a CTA, or of both CTAs of a pair (a cluster barrier) with ``pair_axis``."""
+  if pair_axis is None:
+    return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_stages)
+  return plgpu.ClusterBarrier(collective_axes=(pair_axis,), num_arrivals=num_arrivals,
+                              num_barriers=num_stages)
+
+
 def cta_work(ranges_ref, lens_ref, pair_axis: str | None = None):
   """In a kernel: what this CTA works on, from its grid position.
 
@@ -268,20 +295,24 @@ def zero_acc(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def accumulate_pv(acc, p_smem, v_smem, *, in_place: bool):
+def accumulate_pv(acc, p_smem, v_smem, *, in_place: bool, under=None):
   """``acc + P @ V`` on wgmma, P and V in SMEM (V may be a ``.T`` view).
 
   ``in_place`` accumulates into ``acc``'s registers (``ACC.init``), which the hardware
   path needs to fit 64x256 f32 per warpgroup; GPU interpret mode supports only a zero
   accumulator, so there the product is added afterwards. Same numbers either way.
+  ``under()``, if given, runs while the wgmma does.
   """
+  def issue(acc_ref):
+    plgpu.wgmma(acc_ref, p_smem, v_smem)
+    if under is not None:
+      under()
+
   if in_place:
-    def accumulate(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, v_smem)
-    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+    return pl.run_state(issue)(plgpu.ACC.init(acc))
 
   def product(acc_ref):
-    plgpu.wgmma(acc_ref, p_smem, v_smem)
+    issue(acc_ref)
     return acc_ref[...]
   return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 

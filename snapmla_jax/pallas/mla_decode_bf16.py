@@ -196,16 +196,7 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
 
   stages = config.num_stages or DEFAULT_STAGES
-  grid = dict(grid=(row_tiles, num_splits, batch), grid_names=("rows", "split", "batch"))
-  pair_axis = None
-  # released by both compute warpgroups (of both CTAs of a pair)
-  kv_free = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)
-  if config.multicast and row_tiles % 2 == 0 and not interpret:
-    pair_axis = "pair"  # (the launch's fastest axis: each pair's two CTAs side by side)
-    grid = dict(grid=(batch, num_splits, row_tiles // 2),
-                grid_names=("batch", "split", "rows"), cluster=(2,), cluster_names=("pair",))
-    kv_free = plgpu.ClusterBarrier(collective_axes=(pair_axis,),
-                                   num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)
+  grid, pair_axis = common.launch_grid(config, row_tiles, num_splits, batch, interpret)
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
       num_stages=stages, in_place=not interpret, pair_axis=pair_axis)
@@ -221,7 +212,7 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=stages),
-          kv_free,
+          common.release_barriers(NUM_COMPUTE_WGS, stages, pair_axis),  # compute wgs
           plgpu.Barrier(),
           plgpu.Barrier(),
       ],

@@ -421,14 +421,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       ``under()`` runs while the (first) wgmma does."""
       if pv_impl == "fp8" and promote_pv:
         return accumulate_pv_fp8(acc, p_smem.at[buf], v, under)
-      v = v if pv_impl == "f16" else v.T
-      if under is None:
-        return common.accumulate_pv(acc, p_smem.at[buf], v, in_place=in_place)
-
-      def accumulate_under(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem.at[buf], v)
-        under()
-      return pl.run_state(accumulate_under)(plgpu.ACC.init(acc))
+      return common.accumulate_pv(acc, p_smem.at[buf], v if pv_impl == "f16" else v.T,
+                                  in_place=in_place, under=under)
 
     def step_fn(step, acc):
       prepare_page(step)
@@ -507,12 +501,6 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
       overlap_pv=overlap_pv, promote_pv=promote_pv, pair_axis=pair_axis)
-  # released by the softmax (QK, scales) and both P V warpgroups (V prepared), of each CTA
-  if pair_axis is None:
-    kv_free = plgpu.Barrier(num_arrivals=1 + len(PV_WGS), num_barriers=stages)
-  else:
-    kv_free = plgpu.ClusterBarrier(collective_axes=(pair_axis,),
-                                   num_arrivals=1 + len(PV_WGS), num_barriers=stages)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
@@ -529,7 +517,8 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=3 * stages),
-      kv_free,
+      # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
+      common.release_barriers(1 + len(PV_WGS), stages, pair_axis),
       plgpu.Barrier(num_barriers=P_BUFFERS),
       plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
       plgpu.Barrier() if v_in_q else (),  # Q's SMEM is free
@@ -589,16 +578,11 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
   params = dict(s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
                 pv_impl=pv, in_place=not interpret)
-  grid = dict(grid=(row_tiles, num_splits, batch), grid_names=("rows", "split", "batch"))
+  grid, pair_axis = common.launch_grid(config, row_tiles, num_splits, batch, interpret)
   if schedule == "seesaw":
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   else:
-    pair_axis = None
-    if config.multicast and row_tiles % 2 == 0 and not interpret:
-      pair_axis = "pair"  # (the launch's fastest axis: each pair's two CTAs side by side)
-      grid = dict(grid=(batch, num_splits, row_tiles // 2),
-                  grid_names=("batch", "split", "rows"), cluster=(2,), cluster_names=("pair",))
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
         promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
