@@ -22,8 +22,8 @@ from snapmla_jax.pallas import mla_decode_fp8
 ABLATIONS = {  # name: [(old source, new source), ...]
     "base": [],
     "no_vt_bitops": [
-        ("even = (lo_rows & _U16(0xFF)) | (hi_rows << 8)", "even = lo_rows"),
-        ("odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))", "odd = hi_rows"),
+        ("even = permute_bytes(lo_rows, hi_rows, 0x6240)", "even = lo_rows"),
+        ("odd = permute_bytes(lo_rows, hi_rows, 0x7351)", "odd = hi_rows"),
     ],
     "no_vt_build": [
         ('    prepare = dequantize_v if pv_impl == "f16" else transpose_v\n',
@@ -50,6 +50,11 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     ],
     "no_store_p": [
         ("p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])", "pass"),
+    ],
+    # V^T's bytes interleaved by jnp's shifts and masks (the form before prmt)
+    "v_pack_shifts": [
+        ("permute_bytes(lo_rows, hi_rows, 0x6240)", "(lo_rows & _U16(0xFF)) | (hi_rows << 8)"),
+        ("permute_bytes(lo_rows, hi_rows, 0x7351)", "(lo_rows >> 8) | (hi_rows & _U16(0xFF00))"),
     ],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, "

@@ -40,13 +40,13 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # the sixth session's open measurements (~8 min): P V precision routes, multicast,
-         # the knobs' speed, and what ptxas made of promote_pv
+  next)  # the sixth session's open measurements (~9 min): P V precision routes, multicast,
+         # the knobs' speed, V^T's bytes by prmt
     timeout 240 bash "$0" tests tests/test_pallas_fp8.py tests/test_pallas_bf16.py \
       -k "(long_splits and fp8-softmax_wg) or gpu_multicast"
     status=$?
     timeout 200 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw
-    timeout 70 bash "$0" sass --only fp8-promoted | grep -E "ptxas|total" ;;
+    timeout 90 bash "$0" ablate --only v_pack_shifts,no_vt_bitops ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?

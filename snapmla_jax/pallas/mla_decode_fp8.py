@@ -152,35 +152,52 @@ def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, ma
                                      layout=plgpu.Layout.WGMMA) + first_token
       lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
       hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
-    even = (lo_rows & _U16(0xFF)) | (hi_rows << 8)       # dims 2j: (V[u, 2j], V[u+32, 2j])
-    odd = (lo_rows >> 8) | (hi_rows & _U16(0xFF00))       # dims 2j + 1
+    even = permute_bytes(lo_rows, hi_rows, 0x6240)  # dims 2j: (V[u, 2j], V[u+32, 2j])
+    odd = permute_bytes(lo_rows, hi_rows, 0x7351)   # dims 2j + 1
     vt16_smem.at[pl.ds(chunk * 64, 64)][...] = even
     vt16_smem.at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
+
+
+def permute_bytes(a, b, selector: int):
+  """u16 ``[rows, cols]`` in the WGMMA layout whose 32-bit registers are PTX's
+  ``prmt.b32 d, a, b, selector`` of ``a``'s and ``b``'s registers: ``d``'s byte i is byte
+  ``(selector >> 4 i) & 7`` of ``(a, b)`` (``a``'s bytes are 0-3, ``b``'s 4-7).
+
+  Args:
+    a, b: u16 or 8-bit ``[rows, cols]`` in the WGMMA layout (a register holds two
+      elements; 8-bit registers are zero-extended: bytes 2, 3 and 6, 7 read 0).
+
+  One instruction per register; jnp's shifts and masks (or u8 -> u16 widening) cost ptxas
+  ~10 (the kernel 2.5% of its time for ``P_q``'s packing alone)."""
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                     return_type=plgpu.ShapeDtypeStruct(a.shape, _U16,
+                                                        layout=plgpu.Layout.WGMMA))
+  def permute(_, a, b):
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+
+    def as_i32(register):
+      if mgpu_utils.bitwidth(register.type) == 16:
+        return arith.extui(i32, mgpu_utils.bitcast(register, i16))
+      return mgpu_utils.bitcast(register, i32)
+
+    def register(a_reg, b_reg):
+      out = llvm.inline_asm(i32, [as_i32(a_reg), as_i32(b_reg)],
+                            f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r")
+      return mgpu_utils.bitcast(out, ir.VectorType.get((2,), i16))
+
+    registers = np.empty(a.registers.shape, dtype=object)
+    for index in np.ndindex(registers.shape):
+      registers[index] = register(a.registers[index], b.registers[index])
+    return mgpu.FragmentedArray(_registers=registers, _layout=a.layout, _is_signed=False)
+
+  return permute(a, b)
 
 
 def interleave_bytes(lo, hi):
   """u16 ``[rows, cols]`` whose element (r, c) holds ``lo[r, c]`` in its low byte and
   ``hi[r, c]`` in its high byte, for 8-bit ``lo``, ``hi`` ``[rows, cols]`` in the WGMMA
-  layout: one PTX ``prmt`` per register. (jnp's u8 -> u16 widening, shifts and masks cost
-  ptxas ~80 instructions per 64x64 tile, and the kernel 2.5% of its time.)"""
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
-                     return_type=plgpu.ShapeDtypeStruct(lo.shape, _U16,
-                                                        layout=plgpu.Layout.WGMMA))
-  def interleave(_, lo, hi):
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-
-    def register(lo_pair, hi_pair):  # 2 bytes each -> (lo0, hi0, lo1, hi1)
-      lo32, hi32 = (arith.extui(i32, mgpu_utils.bitcast(x, i16)) for x in (lo_pair, hi_pair))
-      out = llvm.inline_asm(i32, [lo32, hi32], "prmt.b32 $0, $1, $2, 0x5140;", "=r,r,r")
-      return mgpu_utils.bitcast(out, ir.VectorType.get((2,), i16))
-
-    registers = np.empty(lo.registers.shape, dtype=object)
-    for index in np.ndindex(registers.shape):
-      registers[index] = register(lo.registers[index], hi.registers[index])
-    return mgpu.FragmentedArray(_registers=registers, _layout=lo.layout, _is_signed=False)
-
-  return interleave(lo, hi)
+  layout."""
+  return permute_bytes(lo, hi, 0x5140)
 
 
 def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
