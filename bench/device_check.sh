@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~8 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
