@@ -56,6 +56,21 @@ ABLATIONS = {  # name: [(old source, new source), ...]
         ("permute_bytes(lo_rows, hi_rows, 0x6240)", "(lo_rows & _U16(0xFF)) | (hi_rows << 8)"),
         ("permute_bytes(lo_rows, hi_rows, 0x7351)", "(lo_rows >> 8) | (hi_rows & _U16(0xFF00))"),
     ],
+    # Warpgroup 1 refills page i's slot one page later (while preparing page i + 1), so that
+    # it does not stall on the other consumers' (and, multicast, the other CTA's) release.
+    "refill_late": [
+        ("        @pl.when(step + num_stages < num_steps)\n"
+         "        @jax.named_scope(\"refill\")\n"
+         "        def _():\n"
+         "          plgpu.barrier_wait(kv_free.at[slot])\n"
+         "          issue_copies(step + num_stages, slot)\n",
+         "        @pl.when((step >= 1) & (step - 1 + num_stages < num_steps))\n"
+         "        @jax.named_scope(\"refill\")\n"
+         "        def _():\n"
+         "          previous = lax.rem(step - 1, num_stages)\n"
+         "          plgpu.barrier_wait(kv_free.at[previous])\n"
+         "          issue_copies(step - 1 + num_stages, previous)\n"),
+    ],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, "
          "v_smem[half])\n",

@@ -46,7 +46,7 @@ case $what in
       -k "(long_splits and fp8-softmax_wg) or gpu_multicast"
     status=$?
     timeout 200 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw
-    timeout 90 bash "$0" ablate --only v_pack_shifts,no_vt_bitops ;;
+    timeout 110 bash "$0" ablate --only v_pack_shifts,no_vt_bitops,refill_late ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
