@@ -46,7 +46,8 @@ case $what in
       -k "(long_splits and fp8-softmax_wg) or gpu_multicast"
     status=$?
     timeout 170 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast
-    timeout 100 bash "$0" ablate --only v_pack_shifts,no_vt_bitops,refill_late ;;
+    timeout 100 bash "$0" ablate --only v_pack_shifts,no_vt_bitops,refill_late
+    timeout 60 bash "$0" ablate --overlap-pv --only vt_ahead --shapes 32,128,1,16384 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
