@@ -71,20 +71,6 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          plgpu.barrier_wait(kv_free.at[previous])\n"
          "          issue_copies(step - 1 + num_stages, previous)\n"),
     ],
-    # With --overlap-pv: page i + 1's V^T built before waiting for page i's P (its slot
-    # released at the ring's pace, not at the softmax's), not under page i's P V.
-    "vt_ahead": [
-        ("      buf, factor = wait_p(step)\n      parity = lax.rem(step, 2)\n",
-         "      parity = lax.rem(step, 2)\n"),
-        ("      with jax.named_scope(\"pv\"):\n"
-         "        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf,\n"
-         "                         v_smem[half].at[parity], prepare_next_page)\n",
-         "      prepare_next_page()\n"
-         "      buf, factor = wait_p(step)\n"
-         "      with jax.named_scope(\"pv\"):\n"
-         "        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf,\n"
-         "                         v_smem[half].at[parity])\n"),
-    ],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, "
          "v_smem[half])\n",

@@ -16,13 +16,14 @@ OUT=${OUT:-/tmp/device_check}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 status=0
-# SM clock and power every 200 ms while timing (does a busy kernel throttle the clock?):
-# the busy samples' (over 200 W) clock range and peak power print at the end.
+# SM clock and power every 200 ms while timing (does a busy kernel throttle the clock?).
+# The samples mostly fall between kernels (compiles), so no power threshold picks the busy
+# ones: the lowest clock over the whole run is what tells.
 summarize_clocks() {
   kill "$sampler" 2>/dev/null
-  awk -F', ' '$2 > 200 {print $1, $2}' "$OUT/clocks_$what.csv" | sort -n | awk '
+  sort -n "$OUT/clocks_$what.csv" | awk -F', ' '
     {clock[NR] = $1; if ($2 > peak) peak = $2}
-    END {if (NR) printf "busy samples %d: SM clock %d-%d MHz (median %d), peak %.0f W\n",
+    END {if (NR) printf "%d samples: SM clock %d-%d MHz (median %d), peak %.0f W\n",
                         NR, clock[1], clock[NR], clock[int((NR + 1) / 2)], peak}'
 }
 if [[ $what == bench || $what == ablate ]]; then
@@ -46,8 +47,7 @@ case $what in
       -k "(long_splits and fp8-softmax_wg) or gpu_multicast"
     status=$?
     timeout 170 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast
-    timeout 100 bash "$0" ablate --only v_pack_shifts,no_vt_bitops,refill_late
-    timeout 60 bash "$0" ablate --overlap-pv --only vt_ahead --shapes 32,128,1,16384 ;;
+    timeout 100 bash "$0" ablate --only v_pack_shifts,no_vt_bitops,refill_late ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?

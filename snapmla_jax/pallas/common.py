@@ -57,7 +57,7 @@ class TuningConfig:
     num_splits: KV splits per sequence; ``None`` picks enough to fill the GPU once
       (``default_num_splits``). The FP8 kernel's ``pv="fp8"`` may raise it (``promote_pv``).
     overlap_pv: (FP8 kernel, ``pv="fp8"``) each P V warpgroup builds page i + 1's V^T
-      while page i's ``P V`` runs on the tensor cores (two V^T buffers, in Q's SMEM).
+      before waiting for page i's ``P_q`` (two V^T buffers in Q's SMEM; a 3-stage ring).
     promote_pv: (FP8 kernel, ``pv="fp8"``) add each page's ``P V`` to the output in f32
       instead of accumulating pages in place on the FP8 wgmma (whose additions keep ~14
       bits); without it the kernel raises ``num_splits`` to keep at most 256 pages a split.
@@ -295,18 +295,15 @@ def zero_acc(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def accumulate_pv(acc, p_smem, v_smem, *, in_place: bool, under=None):
+def accumulate_pv(acc, p_smem, v_smem, *, in_place: bool):
   """``acc + P @ V`` on wgmma, P and V in SMEM (V may be a ``.T`` view).
 
   ``in_place`` accumulates into ``acc``'s registers (``ACC.init``), which the hardware
   path needs to fit 64x256 f32 per warpgroup; GPU interpret mode supports only a zero
   accumulator, so there the product is added afterwards. Same numbers either way.
-  ``under()``, if given, runs while the wgmma does.
   """
   def issue(acc_ref):
     plgpu.wgmma(acc_ref, p_smem, v_smem)
-    if under is not None:
-      under()
 
   if in_place:
     return pl.run_state(issue)(plgpu.ACC.init(acc))

@@ -13,9 +13,10 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   tensor cores run the next QK under this page's softmax.
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
-  ``acc <- acc * factor + P_q V``. With ``TuningConfig.overlap_pv`` the preparation of
-  page i + 1 runs while page i's ``P V`` is on the tensor cores, into the other of two V^T
-  buffers.
+  ``acc <- acc * factor + P_q V``. With ``TuningConfig.overlap_pv`` each prepares page
+  i + 1 (into the other of two V^T buffers) before waiting for page i's ``P_q``: pages are
+  released at the ring's pace instead of the softmax's, and the wait for ``P_q`` is spent
+  building V^T.
 
 The FP8 wgmma adds into its accumulator with ~14 bits: accumulated in place, ``P V``'s
 error grows with the pages a CTA visits (rel. L2 against the emulation 3.4e-3 at 64 pages,
@@ -210,7 +211,7 @@ def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
     p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])
 
 
-def accumulate_pv_fp8(acc, p_smem, vt_smem, under_first_chunk=None):
+def accumulate_pv_fp8(acc, p_smem, vt_smem):
   """``acc + P_q V`` on E4M3 wgmma, promoted to f32 after each page
   (``TuningConfig.promote_pv``).
 
@@ -225,7 +226,6 @@ def accumulate_pv_fp8(acc, p_smem, vt_smem, under_first_chunk=None):
     acc: f32 ``[64, dims]``.
     p_smem: e4m3 ``[64, 64]``, ``P_q`` (queries x tokens).
     vt_smem: e4m3 ``[dims, 64]``, V^T (latent dims x tokens).
-    under_first_chunk: called while the first chunk's wgmma runs.
   """
   starts = range(0, acc.shape[1], PV_CHUNK)
 
@@ -233,8 +233,6 @@ def accumulate_pv_fp8(acc, p_smem, vt_smem, under_first_chunk=None):
     """Chunk i's wgmma, then chunk i - 1's sum while it runs; returns chunks i - 1 on."""
     def scope(chunk_ref):
       plgpu.wgmma(chunk_ref, p_smem, vt_smem.at[pl.ds(starts[i], PV_CHUNK)].T)
-      if i == 0 and under_first_chunk is not None:
-        under_first_chunk()
       done = []
       if previous_ref is not None:  # chunk i - 1 is done once at most one wgmma is pending
         done.append(acc[:, starts[i - 1]:starts[i]]
@@ -433,13 +431,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         plgpu.barrier_wait(p_ready.at[buf])
       return buf, factor_smem.at[buf][...]
 
-    def accumulate(acc, buf, v, under=None):
-      """``acc + P_q V``, P_q in buffer ``buf``, V's half (f16) or V^T's (fp8) in ``v``;
-      ``under()`` runs while the (first) wgmma does."""
+    def accumulate(acc, buf, v):
+      """``acc + P_q V``, P_q in buffer ``buf``, V's half (f16) or V^T's (fp8) in ``v``."""
       if pv_impl == "fp8" and promote_pv:
-        return accumulate_pv_fp8(acc, p_smem.at[buf], v, under)
+        return accumulate_pv_fp8(acc, p_smem.at[buf], v)
       return common.accumulate_pv(acc, p_smem.at[buf], v if pv_impl == "f16" else v.T,
-                                  in_place=in_place, under=under)
+                                  in_place=in_place)
 
     def step_fn(step, acc):
       prepare_page(step)
@@ -450,18 +447,18 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return acc
 
     def overlapped_step_fn(step, acc):
-      """``P V`` of page ``step`` on the tensor cores while page ``step + 1``'s V^T is
-      built into the other buffer."""
-      buf, factor = wait_p(step)
+      """Page ``step + 1``'s V^T into the other buffer (free: page ``step - 1``'s ``P V``
+      is done), then page ``step``'s ``P V``. Building it under ``P V`` instead (after
+      the wait for ``P_q``) was 6-7% slower at b32 h128 (H100, RESULTS.md)."""
       parity = lax.rem(step, 2)
 
-      def prepare_next_page():
-        @pl.when(step + 1 < num_steps)
-        def _():
-          prepare_page(step + 1, 1 - parity)
+      @pl.when(step + 1 < num_steps)
+      def _():
+        prepare_page(step + 1, 1 - parity)
+      buf, factor = wait_p(step)
       with jax.named_scope("pv"):
         acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf,
-                         v_smem[half].at[parity], prepare_next_page)
+                         v_smem[half].at[parity])
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
@@ -507,7 +504,7 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   interpret mode cannot run. There (``pv="fp8"``) the V^T buffers take the SMEM of Q's
   content, free once the softmax warpgroup holds Q in registers, which leaves room for a
   fourth stage. ``overlap_pv`` (``pv="fp8"``, hardware): two V^T buffers per P V
-  warpgroup, so that page i + 1's V^T is built while page i's ``P V`` runs.
+  warpgroup, so that page i + 1's V^T is built while page i's ``P_q`` is on its way.
   ``stages``: ``None`` for ``default_stages``. ``pair_axis``: the cluster axis of two CTAs
   (consecutive row tiles) that share every page: a slot is refilled (by both, each copying
   half of the page into both rings) once the consumers of both CTAs have released it.
