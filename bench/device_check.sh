@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~8 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
@@ -41,13 +41,13 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # the sixth session's open measurements (~8 min): P V precision routes, multicast,
-         # the knobs' speed, V^T's bytes by prmt
-    timeout 200 bash "$0" tests tests/test_pallas_fp8.py tests/test_pallas_bf16.py \
-      -k "(long_splits and fp8-softmax_wg) or gpu_multicast"
+  next)  # the seventh session's open measurements (~9 min): overlap_pv's new order (V^T
+         # ahead of P_q) on the GPU grid, its speed in the bench, the slot refill's timing
+    timeout 300 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_overlap_pv or gpu_multicast"
     status=$?
-    timeout 170 bash "$0" bench --quick --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast
-    timeout 100 bash "$0" ablate --only v_pack_shifts,no_vt_bitops,refill_late ;;
+    timeout 150 bash "$0" bench --quick \
+      --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted,fp8-multicast-overlap
+    timeout 90 bash "$0" ablate --overlap-pv --only refill_late,v_pack_shifts ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
