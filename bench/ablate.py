@@ -71,6 +71,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          plgpu.barrier_wait(kv_free.at[previous])\n"
          "          issue_copies(step - 1 + num_stages, previous)\n"),
     ],
+    # The softmax warpgroup up to three pages ahead of P V instead of two (4 KB more SMEM)
+    "p_buffers_3": [("P_BUFFERS = 2 ", "P_BUFFERS = 3 ")],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, "
          "v_smem[half])\n",
