@@ -73,6 +73,20 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     ],
     # The softmax warpgroup up to three pages ahead of P V instead of two (4 KB more SMEM)
     "p_buffers_3": [("P_BUFFERS = 2 ", "P_BUFFERS = 3 ")],
+    # The next page's QK issued after this page's softmax and quantization (before P's
+    # store): a late page no longer holds back this page's softmax, but QK runs under less.
+    "qk_after_quantize": [
+        ("        @pl.when(step + 1 < num_steps)\n"
+         "        def _():\n"
+         "          issue_qk(step + 1, s_next_ref)\n"
+         "        with jax.named_scope(\"softmax\"):\n",
+         "        with jax.named_scope(\"softmax\"):\n"),
+        ("        with jax.named_scope(\"store_p\"):\n",
+         "        @pl.when(step + 1 < num_steps)\n"
+         "        def _():\n"
+         "          issue_qk(step + 1, s_next_ref)\n"
+         "        with jax.named_scope(\"store_p\"):\n"),
+    ],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, "
          "v_smem[half])\n",

@@ -41,13 +41,15 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # the seventh session's open measurements (~9.5 min): overlap_pv's new order (V^T
-         # ahead of P_q) on the GPU grid, its speed in the bench, the slot refill's timing
-    timeout 300 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_overlap_pv or gpu_multicast"
+  next)  # the seventh session's open measurements (~9 min): overlap_pv's new order (V^T
+         # ahead of P_q) on the GPU grid, its speed in the bench, and on top of it the
+         # slot refill's timing, a third P buffer, QK after the softmax
+    timeout 240 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_overlap_pv"
     status=$?
     timeout 150 bash "$0" bench --quick \
       --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted,fp8-multicast-overlap
-    timeout 110 bash "$0" ablate --overlap-pv --only refill_late,p_buffers_3,v_pack_shifts ;;
+    timeout 140 bash "$0" ablate --overlap-pv \
+      --only refill_late,p_buffers_3,qk_after_quantize,v_pack_shifts ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
