@@ -8,6 +8,8 @@
 #   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
+#   bash bench/device_check.sh tables   (one call, <= 9.5 min: the full kernel table with the
+#                                       default rows and e2e at 16k/64k, for RESULTS' summary)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +52,11 @@ case $what in
       --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted,fp8-multicast-overlap
     timeout 140 bash "$0" ablate --overlap-pv \
       --only refill_late,p_buffers_3,qk_after_quantize,v_pack_shifts ;;
+  tables)  # the issues' tables: every bench shape (the rows of the defaults and the knobs
+            # worth having), then end to end
+    timeout 380 bash "$0" bench \
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-multicast-overlap,fp8-seesaw
+    timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
