@@ -49,7 +49,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "p_q = p_fused.astype(_FP8)"),
     ],
     "no_store_p": [
-        ("p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])", "pass"),
+        ("p_smem[...] = permute_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:], 0x5140)",
+         "pass"),
     ],
     # V^T's bytes interleaved by jnp's shifts and masks (the form before prmt)
     "v_pack_shifts": [
@@ -88,8 +89,7 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "        with jax.named_scope(\"store_p\"):\n"),
     ],
     "no_pv": [
-        ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, "
-         "v_smem[half])\n",
+        ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)\n",
          "        acc = acc * common.row_broadcast(factor, acc.shape)\n"),
     ],
     # With --promote-pv: the chunks of the page's product in f32 (accumulate_pv_fp8)

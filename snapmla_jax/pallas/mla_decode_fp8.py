@@ -194,13 +194,6 @@ def permute_bytes(a, b, selector: int):
   return permute(a, b)
 
 
-def interleave_bytes(lo, hi):
-  """u16 ``[rows, cols]`` whose element (r, c) holds ``lo[r, c]`` in its low byte and
-  ``hi[r, c]`` in its high byte, for 8-bit ``lo``, ``hi`` ``[rows, cols]`` in the WGMMA
-  layout."""
-  return permute_bytes(lo, hi, 0x5140)
-
-
 def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
   """``P_q`` (e4m3 ``[64, 64]``) into ``p_smem`` in the order of V's rows: f16 ``[64, 64]``
   for ``pv="f16"``; for ``pv="fp8"`` the u16 ``[64, 32]`` view of e4m3 ``[64, 64]`` whose
@@ -208,7 +201,8 @@ def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
   if pv_impl == "f16":
     p_smem[...] = p_q.astype(jnp.float16)
   else:
-    p_smem[...] = interleave_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:])
+    # u16 (r, u) = (P_q[r, u], P_q[r, u + 32]): bytes (a0, b0, a1, b1) of a register pair
+    p_smem[...] = permute_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:], 0x5140)
 
 
 def accumulate_pv_fp8(acc, p_smem, vt_smem):
@@ -439,26 +433,23 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                                   in_place=in_place)
 
     def step_fn(step, acc):
-      prepare_page(step)
+      """Page ``step``'s ``P V``, after preparing page ``step`` or, with ``overlap_pv``,
+      page ``step + 1`` into the other V^T buffer (page ``step - 1``'s ``P V`` is done
+      with it). Building it under page ``step``'s ``P V`` instead, after the wait for its
+      ``P_q``, was 6-7% slower at b32 h128 (H100, RESULTS.md)."""
+      if overlap_pv:
+        parity = lax.rem(step, 2)
+
+        @pl.when(step + 1 < num_steps)
+        def _():
+          prepare_page(step + 1, 1 - parity)
+        v = v_smem[half].at[parity]
+      else:
+        prepare_page(step)
+        v = v_smem[half]
       buf, factor = wait_p(step)
       with jax.named_scope("pv"):
-        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v_smem[half])
-      plgpu.barrier_arrive(p_free.at[buf])
-      return acc
-
-    def overlapped_step_fn(step, acc):
-      """Page ``step + 1``'s V^T into the other buffer (free: page ``step - 1``'s ``P V``
-      is done), then page ``step``'s ``P V``. Building it under ``P V`` instead (after
-      the wait for ``P_q``) was 6-7% slower at b32 h128 (H100, RESULTS.md)."""
-      parity = lax.rem(step, 2)
-
-      @pl.when(step + 1 < num_steps)
-      def _():
-        prepare_page(step + 1, 1 - parity)
-      buf, factor = wait_p(step)
-      with jax.named_scope("pv"):
-        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf,
-                         v_smem[half].at[parity])
+        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
@@ -469,9 +460,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       @pl.when(num_steps > 0)
       def _():
         prepare_page(0, 0)
-      acc = lax.fori_loop(0, num_steps, overlapped_step_fn, acc)
-    else:
-      acc = lax.fori_loop(0, num_steps, step_fn, acc)
+    acc = lax.fori_loop(0, num_steps, step_fn, acc)
     if issues_copies:  # observe the releases of the last pages, which it did not refill
       for back in range(num_stages, 0, -1):
         @pl.when(num_steps - back >= 0)
