@@ -165,7 +165,8 @@ def main():
   parser.add_argument("--pv", default="fp8")
   parser.add_argument("--splits", type=int, default=None,
                       help="KV splits per sequence (fewer CTAs than SMs: per-SM vs global limits)")
-  parser.add_argument("--overlap-pv", action="store_true", help="TuningConfig.overlap_pv")
+  parser.add_argument("--in-order-pv", action="store_true",
+                      help="TuningConfig(overlap_pv=False): V^T built after the previous P V")
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
   args = parser.parse_args()
@@ -183,9 +184,9 @@ def main():
     row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
     splits = args.splits or mla_decode_fp8.common.default_num_splits(batch, row_tiles,
                                                                       context // 64)
-    config = mla_decode_fp8.common.TuningConfig(num_splits=splits, overlap_pv=args.overlap_pv,
-                                                promote_pv=args.promote_pv,
-                                                multicast=args.multicast)
+    config = mla_decode_fp8.common.TuningConfig(
+        num_splits=splits, overlap_pv=False if args.in_order_pv else None,
+        promote_pv=args.promote_pv, multicast=args.multicast)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None

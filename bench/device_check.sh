@@ -43,19 +43,18 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # the seventh session's open measurements (~9 min): overlap_pv's new order (V^T
-         # ahead of P_q) on the GPU grid, its speed in the bench, and on top of it the
-         # slot refill's timing, a third P buffer, QK after the softmax
-    timeout 240 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_overlap_pv"
+  next)  # the eighth session's (~8 min): overlap_pv (V^T a page ahead) as the default on
+         # the shape grid, the bench (the in-order schedule beside it), and three ablations
+         # on top of the default
+    timeout 200 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_vs_emulation and fp8-softmax_wg"
     status=$?
     timeout 150 bash "$0" bench --quick \
-      --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted,fp8-multicast-overlap
-    timeout 140 bash "$0" ablate --overlap-pv \
-      --only refill_late,p_buffers_3,qk_after_quantize,v_pack_shifts ;;
+      --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted
+    timeout 120 bash "$0" ablate --only refill_late,p_buffers_3,qk_after_quantize ;;
   tables)  # the issues' tables: every bench shape (the rows of the defaults and the knobs
             # worth having), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-multicast-overlap,fp8-seesaw
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \

@@ -80,10 +80,9 @@ def impls(fp8_config=None):
           q, r, c.latent, bt, sl, softmax_scale=SCALE, config=TuningConfig(multicast=True))),
       "fp8-f16": ("fp8", fp8("f16")),
       "fp8-fp8": ("fp8", fp8("fp8")),
-      "fp8-overlap": ("fp8", fp8("fp8", overlap_pv=True)),
+      "fp8-in-order": ("fp8", fp8("fp8", overlap_pv=False)),
       "fp8-promoted": ("fp8", fp8("fp8", promote_pv=True)),
       "fp8-multicast": ("fp8", fp8("fp8", multicast=True)),
-      "fp8-multicast-overlap": ("fp8", fp8("fp8", multicast=True, overlap_pv=True)),
       "fp8-seesaw": ("fp8", fp8("fp8", "seesaw")),
       "xla-bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode(
           q, r, c, bt, sl, softmax_scale=SCALE, impl="xla")),

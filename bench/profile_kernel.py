@@ -57,7 +57,7 @@ def main():
   from snapmla_jax.pallas import common
   # The trace buffer lives in SMEM, which only the fp8 route's kernels leave room for.
   config = common.TuningConfig(num_stages=args.fp8_stages)
-  kernels = {k: v for k, v in impls(config).items() if k in ("fp8-fp8", "fp8-overlap")}
+  kernels = {k: v for k, v in impls(config).items() if k in ("fp8-fp8", "fp8-in-order")}
   row_tiles = common.num_row_tiles(1, args.heads)
   pages = args.context // common.PAGE_SIZE
   steps = pages / common.default_num_splits(args.batch, row_tiles, pages)

@@ -57,7 +57,9 @@ class TuningConfig:
     num_splits: KV splits per sequence; ``None`` picks enough to fill the GPU once
       (``default_num_splits``). The FP8 kernel's ``pv="fp8"`` may raise it (``promote_pv``).
     overlap_pv: (FP8 kernel, ``pv="fp8"``) each P V warpgroup builds page i + 1's V^T
-      before waiting for page i's ``P_q`` (two V^T buffers in Q's SMEM; a 3-stage ring).
+      before waiting for page i's ``P_q`` (two V^T buffers in Q's SMEM; a 3-stage ring);
+      ``None`` turns it on wherever it applies (``pv="fp8"``, ``schedule="softmax_wg"``,
+      on a GPU, without ``promote_pv``).
     promote_pv: (FP8 kernel, ``pv="fp8"``) add each page's ``P V`` to the output in f32
       instead of accumulating pages in place on the FP8 wgmma (whose additions keep ~14
       bits); without it the kernel raises ``num_splits`` to keep at most 256 pages a split.
@@ -67,7 +69,7 @@ class TuningConfig:
   """
   num_stages: int | None = None
   num_splits: int | None = None
-  overlap_pv: bool = False
+  overlap_pv: bool | None = None
   promote_pv: bool = False
   multicast: bool = False
 
