@@ -103,6 +103,15 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     ],
     "one_stage_less": [("return 4 if v_in_q and not overlap_pv else 3",
                         "return 3 if v_in_q and not overlap_pv else 2")],
+    # V^T ahead with one V^T buffer (page i + 1's V^T overwrites page i's before its P V:
+    # wrong results, the same work) and the SMEM so freed spent on a 4th stage: would a
+    # deeper ring pay for the SMEM that a second V^T buffer takes?
+    "vt_ahead_4_stages": [
+        ("v_pages=2 if overlap_pv else None", "v_pages=1 if overlap_pv else None"),
+        ("parity = lax.rem(step, 2)", "parity = step * 0"),
+        ("prepare_page(step + 1, 1 - parity)", "prepare_page(step + 1, parity)"),
+        ("return 4 if v_in_q and not overlap_pv else 3", "return 4 if v_in_q else 3"),
+    ],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
     # The softmax warpgroup's order until the sixth session: page i's slot released once page

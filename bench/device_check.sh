@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~7 min)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
 #   bash bench/device_check.sh tables   (one call, <= 9.5 min: the full kernel table with the
@@ -43,14 +43,15 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # the eighth session's (~8 min): overlap_pv (V^T a page ahead) as the default on
-         # the shape grid, the bench (the in-order schedule beside it), and three ablations
-         # on top of the default
-    timeout 200 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_vs_emulation and fp8-softmax_wg"
+  next)  # what the eighth session left open (~7 min): the in-order schedule (restructured in
+         # f5f0f87) on the small grid cases, whether a 4th stage would pay for the second
+         # V^T buffer, the bench with the Fused-Q-Quant
+    timeout 170 bash "$0" tests tests/test_pallas_fp8.py \
+      -k "gpu_in_order_pv and (1-1-16 or 2-2-16 or 4-1-32 or 3-2-64 or 8-1-128 or 8-2-128)"
     status=$?
-    timeout 150 bash "$0" bench --quick \
-      --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted
-    timeout 120 bash "$0" ablate --only refill_late,p_buffers_3,qk_after_quantize ;;
+    timeout 110 bash "$0" ablate --only vt_ahead_4_stages,one_stage_less
+    timeout 130 bash "$0" bench --quick \
+      --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted,fp8-multicast ;;
   tables)  # the issues' tables: every bench shape (the rows of the defaults and the knobs
             # worth having), then end to end
     timeout 380 bash "$0" bench \

@@ -4,7 +4,9 @@ Per shape, in one process: median device time (CUPTI kernel time summed over the
 jitted call, the split combine included; warm-up excluded), TFLOPS by FlashMLA's count
 ``2 * s_q * sum(seq_lens) * h * (576 + 512)`` (BF16-equivalent for FP8), cache GB/s
 (1152 B/token BF16, 644 FP8), percent of the floor (max of compute and bandwidth time at
-the measured H200 ceilings below), and the ratios to the XLA path and FP8 / BF16.
+the measured H200 ceilings below), and the ratios to the XLA path and FP8 / BF16. The FP8
+rows include the query's quantization, by the Fused-Q-Quant kernel as ``mla_decode`` runs it
+(until 84c57a5: XLA's five fusions, ~10 us at b32 h128).
 
   python bench/kernel.py [--quick] [--md PATH]
 """
@@ -21,10 +23,11 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from snapmla_jax import mla_decode, quant
+from snapmla_jax import mla_decode
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import mla_decode_bf16
 from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
+from snapmla_jax.pallas.tokens import quantize_query_fp8
 from snapmla_jax.testing import random_pages
 
 BF16_PEAK = 989e12     # dense bf16 tensor-core peak (datasheet), TFLOP/s
@@ -68,7 +71,7 @@ def impls(fp8_config=None):
   def fp8(pv, schedule="softmax_wg", **knobs):
     config = dataclasses.replace(fp8_config or TuningConfig(), **knobs)
     def f(q, r, c, bt, sl):
-      qc, qs, qr = quant.quantize_query(q, r)
+      qc, qs, qr = quantize_query_fp8(q, r)  # the decode path's Fused-Q-Quant
       return mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
                             softmax_scale=SCALE, pv=pv, schedule=schedule, config=config)
     return f
