@@ -4,9 +4,10 @@ A random model with DeepSeek-V3's MLA shape (``DeepseekV3Config.demo``; 128 head
 default) at reduced depth decodes one token per sequence per step over caches that
 already hold ``context`` tokens per sequence (random latents written straight into
 the pages: a prefill of 128k tokens would cost more device time than it tells).
-Per (cache kind, context): median wall time of a jitted decode step (append + absorbed
-attention in every layer + MLP/MoE + sampling), warm-up excluded, tokens/s = batch /
-step time, and the FP8/BF16 ratio in the same run. Two FP8 rows: at the BF16 batch, and
+Per (cache kind, context): wall time per jitted decode step (append + absorbed attention in
+every layer + MLP/MoE + sampling) over steps dispatched back to back, the median of three
+runs, warm-up excluded (until 946a56f: the median of single blocked steps, which added the
+host's dispatch to each), tokens/s = batch / step time, and the FP8/BF16 ratio in the same run. Two FP8 rows: at the BF16 batch, and
 at the batch that fits in the BF16 cache's memory (``batch * 1152 // 644``: a server whose
 cache memory is full batches that many more sequences). The paper's figure 1, on one GPU.
 
@@ -42,15 +43,18 @@ def random_caches(num_layers, num_pages, kind, cfg, key):
                for layer in range(num_layers))
 
 
-def decode_step_time(model, kind, batch, context, steps, key, mesh=None):
-  """Median seconds of one decode step at ``context`` cached tokens per sequence.
+def decode_step_time(model, kind, batch, context, steps, key, mesh=None, repeats=3):
+  """Seconds per decode step at ``context`` cached tokens per sequence: the median over
+  ``repeats`` runs of ``steps`` steps dispatched back to back (as a serving loop does: the
+  host queues step i + 1 while the GPU runs step i), after one compiling step.
 
   Sequence ``r`` owns the pages ``[r * pages_per_seq, (r + 1) * pages_per_seq)`` of the
   global cache; under a mesh its block table holds the ids local to its dp shard.
   """
   cfg = model.cfg
   dp = 1 if mesh is None else mesh.shape[sharding.DP]
-  pages_per_seq = -(-(context + steps + 1) // 64)
+  total_steps = 1 + repeats * steps
+  pages_per_seq = -(-(context + total_steps) // 64)
   num_pages = batch * pages_per_seq
   global_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
   block_table = global_table % (num_pages // dp)
@@ -61,19 +65,22 @@ def decode_step_time(model, kind, batch, context, steps, key, mesh=None):
   state = DecodeState(
       caches=caches,
       tokens=jnp.ones((batch,), jnp.int32), positions=jnp.full((batch,), context, jnp.int32),
-      done=jnp.zeros((batch,), bool), out=jnp.zeros((batch, steps + 2), jnp.int32),
+      done=jnp.zeros((batch,), bool), out=jnp.zeros((batch, total_steps + 1), jnp.int32),
       step=jnp.asarray(0, jnp.int32))
   graphdef, params = nnx.split(model)
   stop = jnp.asarray([-1], jnp.int32)
-  times = []
-  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-    for _ in range(steps + 1):
-      t0 = time.perf_counter()
+  def run(num_steps):
+    nonlocal state
+    start = time.perf_counter()
+    for _ in range(num_steps):
       state, logits = decode_step(graphdef, params, state, slot_table, block_table, stop, None,
                                   None, temperature=0.0, top_p=1.0)
-      jax.block_until_ready(logits)
-      times.append(time.perf_counter() - t0)
-  return statistics.median(times[1:])  # the first step compiles
+    jax.block_until_ready(logits)
+    return (time.perf_counter() - start) / num_steps
+
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    run(1)  # compiles
+    return statistics.median(run(steps) for _ in range(repeats))
 
 
 def main(argv=None):
