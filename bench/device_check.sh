@@ -47,7 +47,7 @@ case $what in
          # f5f0f87) on the small grid cases, whether a 4th stage would pay for the second
          # V^T buffer, the bench with the Fused-Q-Quant
     timeout 170 bash "$0" tests tests/test_pallas_fp8.py \
-      -k "gpu_in_order_pv and (1-1-16 or 2-2-16 or 4-1-32 or 3-2-64 or 8-1-128 or 8-2-128)"
+      -k "gpu_in_order_pv and (seq_lens0 or 2-2-16-seq_lens1 or seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5)"
     status=$?
     timeout 110 bash "$0" ablate --only vt_ahead_4_stages,one_stage_less
     timeout 130 bash "$0" bench --quick \
