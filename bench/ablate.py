@@ -112,6 +112,15 @@ ABLATIONS = {  # name: [(old source, new source), ...]
         ("prepare_page(step + 1, 1 - parity)", "prepare_page(step + 1, parity)"),
         ("return 4 if v_in_q and not overlap_pv else 3", "return 4 if v_in_q else 3"),
     ],
+    # Q's RoPE tile as the RoPE wgmma's A operand in registers, as Q's content is: 8 KB of
+    # SMEM (half of what a 4th stage under V^T ahead lacks) for 16 registers.
+    "q_rope_in_registers": [
+        ("                 else qc_smem)\n",
+         "                 else qc_smem)\n"
+         "    q_rope = plgpu.load(qr_smem, layout=plgpu.Layout.WGMMA)\n"),
+        ("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)",
+         "plgpu.wgmma(s_ref, q_rope, kr_smem.at[slot].T)"),
+    ],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
     # The softmax warpgroup's order until the sixth session: page i's slot released once page
