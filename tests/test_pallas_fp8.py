@@ -165,6 +165,10 @@ def test_fp8_pv_splits_are_capped():
 @pytest.mark.timeout(300)
 def test_in_order_pv_lowers_for_cuda():  # overlap_pv is the default on hardware
   assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=TuningConfig(overlap_pv=False))
+  # a 4-stage ring fits only in order: the default gives way, an explicit overlap_pv refuses
+  assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8", config=TuningConfig(num_stages=4))
+  with pytest.raises(ValueError, match="at most 3 stages"):
+    lower(32, 1, 128, 16384, "fp8", config=TuningConfig(num_stages=4, overlap_pv=True))
 
 
 @pytest.mark.timeout(300)

@@ -59,7 +59,7 @@ class TuningConfig:
     overlap_pv: (FP8 kernel, ``pv="fp8"``) each P V warpgroup builds page i + 1's V^T
       before waiting for page i's ``P_q`` (two V^T buffers in Q's SMEM; a 3-stage ring);
       ``None`` turns it on wherever it applies (``pv="fp8"``, ``schedule="softmax_wg"``,
-      on a GPU, without ``promote_pv``).
+      on a GPU, without ``promote_pv``, ``num_stages`` at most 3).
     promote_pv: (FP8 kernel, ``pv="fp8"``) add each page's ``P V`` to the output in f32
       instead of accumulating pages in place on the FP8 wgmma (whose additions keep ~14
       bits); without it the kernel raises ``num_splits`` to keep at most 256 pages a split.

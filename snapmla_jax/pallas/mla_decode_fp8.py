@@ -485,6 +485,9 @@ def default_stages(pv_impl: PvImpl, *, v_in_q: bool, overlap_pv: bool) -> int:
   return 4 if v_in_q and not overlap_pv else 3
 
 
+_OVERLAP_PV_MAX_STAGES = default_stages("fp8", v_in_q=True, overlap_pv=True)
+
+
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
                        overlap_pv=False, promote_pv=False, pair_axis=None):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
@@ -587,8 +590,12 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   else:
     overlap_pv = config.overlap_pv
-    if overlap_pv is None:  # on wherever it applies
-      overlap_pv = pv == "fp8" and not interpret and not config.promote_pv
+    deeper_ring = (config.num_stages or 0) > _OVERLAP_PV_MAX_STAGES
+    if overlap_pv is None:  # on wherever it applies, unless a deeper ring was asked for
+      overlap_pv = pv == "fp8" and not interpret and not config.promote_pv and not deeper_ring
+    elif overlap_pv and deeper_ring:
+      raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {_OVERLAP_PV_MAX_STAGES} "
+                       f"stages, got {config.num_stages=}")
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=overlap_pv,
         promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
