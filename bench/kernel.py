@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from snapmla_jax import mla_decode
+from snapmla_jax.cache import PagedLatentCache
 from snapmla_jax.pallas.common import TuningConfig
 from snapmla_jax.pallas.mla_decode_bf16 import mla_decode_bf16
 from snapmla_jax.pallas.mla_decode_fp8 import mla_decode_fp8
@@ -33,7 +34,8 @@ from snapmla_jax.testing import random_pages
 BF16_PEAK = 989e12     # dense bf16 tensor-core peak (datasheet), TFLOP/s
 FP8_PEAK = 1868e12     # the SnapMLA effective peak for FP8 (989 * 17 / 9)
 HBM = 4.8e12           # datasheet bandwidth; FlashMLA BF16 reaches 4.2 TB/s here
-BYTES = {"bf16": 1152, "fp8": 644}
+BYTES = {kind: PagedLatentCache.create(1, kind=kind).bytes_per_token  # 1152, 644
+         for kind in ("bf16", "fp8")}
 SCALE = 576 ** -0.5
 
 SHAPES = [  # (batch, heads, s_q, context)
@@ -139,6 +141,10 @@ def main():
     lines.append(f"| {row['shape']} | {row['impl']} | {row['us']:.1f} | {row['tflops']:.0f} | "
                  f"{row['gbs']:.0f} | {row['floor']:.0f} | {row['vs_xla']:.2f} | "
                  f"{row['vs_bf16']:.2f} |")
+  per_gib = {kind: 2**30 // nbytes for kind, nbytes in BYTES.items()}
+  lines.append(f"\nCache bytes per token: BF16 {BYTES['bf16']}, FP8 {BYTES['fp8']}: "
+               f"{per_gib['bf16']:,} vs {per_gib['fp8']:,} tokens per GiB "
+               f"({per_gib['fp8'] / per_gib['bf16']:.2f}x the capacity).")
   text = "\n".join(lines)
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   meta = f"{stamp}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
