@@ -7,9 +7,10 @@ the pages: a prefill of 128k tokens would cost more device time than it tells).
 Per (cache kind, context): wall time per jitted decode step (append + absorbed attention in
 every layer + MLP/MoE + sampling) over steps dispatched back to back, the median of three
 runs, warm-up excluded (until 946a56f: the median of single blocked steps, which added the
-host's dispatch to each), tokens/s = batch / step time, and the FP8/BF16 ratio in the same run. Two FP8 rows: at the BF16 batch, and
-at the batch that fits in the BF16 cache's memory (``batch * 1152 // 644``: a server whose
-cache memory is full batches that many more sequences). The paper's figure 1, on one GPU.
+host's dispatch to each), tokens/s = batch / step time, and the FP8/BF16 ratio in the same
+run. Two FP8 rows: at the BF16 batch, and at the batch that fits in the BF16 cache's memory
+(``batch * 1152 // 644``: a server whose cache memory is full batches that many more
+sequences). The paper's figure 1, on one GPU.
 
   python bench/e2e.py [--batch 32] [--heads 128] [--layers 2] [--contexts 16384 65536]
                       [--mesh dp=4,tp=2]   (tokens/s per configuration and per device)
@@ -69,6 +70,7 @@ def decode_step_time(model, kind, batch, context, steps, key, mesh=None, repeats
       step=jnp.asarray(0, jnp.int32))
   graphdef, params = nnx.split(model)
   stop = jnp.asarray([-1], jnp.int32)
+
   def run(num_steps):
     nonlocal state
     start = time.perf_counter()

@@ -489,19 +489,26 @@ _OVERLAP_PV_MAX_STAGES = default_stages("fp8", v_in_q=True, overlap_pv=True)
 
 
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       overlap_pv=False, promote_pv=False, pair_axis=None):
+                       overlap_pv=None, promote_pv=False, pair_axis=None):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
   interpret mode cannot run. There (``pv="fp8"``) the V^T buffers take the SMEM of Q's
   content, free once the softmax warpgroup holds Q in registers, which leaves room for a
   fourth stage. ``overlap_pv`` (``pv="fp8"``, hardware): two V^T buffers per P V
-  warpgroup, so that page i + 1's V^T is built while page i's ``P_q`` is on its way.
+  warpgroup, so that page i + 1's V^T is built while page i's ``P_q`` is on its way;
+  ``None`` for on wherever it applies and fits (at most ``_OVERLAP_PV_MAX_STAGES``).
   ``stages``: ``None`` for ``default_stages``. ``pair_axis``: the cluster axis of two CTAs
   (consecutive row tiles) that share every page: a slot is refilled (by both, each copying
   half of the page into both rings) once the consumers of both CTAs have released it.
   """
   v_in_q = in_place and pv_impl == "fp8"
+  deeper_ring = (stages or 0) > _OVERLAP_PV_MAX_STAGES
+  if overlap_pv is None:  # on wherever it applies, unless a deeper ring was asked for
+    overlap_pv = v_in_q and not promote_pv and not deeper_ring
+  elif overlap_pv and deeper_ring:
+    raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {_OVERLAP_PV_MAX_STAGES} "
+                     f"stages, got config.num_stages={stages}")
   stages = stages or default_stages(pv_impl, v_in_q=v_in_q, overlap_pv=overlap_pv)
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
@@ -589,15 +596,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   else:
-    overlap_pv = config.overlap_pv
-    deeper_ring = (config.num_stages or 0) > _OVERLAP_PV_MAX_STAGES
-    if overlap_pv is None:  # on wherever it applies, unless a deeper ring was asked for
-      overlap_pv = pv == "fp8" and not interpret and not config.promote_pv and not deeper_ring
-    elif overlap_pv and deeper_ring:
-      raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {_OVERLAP_PV_MAX_STAGES} "
-                       f"stages, got {config.num_stages=}")
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
-        stages=config.num_stages, overlap_pv=overlap_pv,
+        stages=config.num_stages, overlap_pv=config.overlap_pv,
         promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
