@@ -157,6 +157,8 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.
 ABLATIONS["idle_skeleton"] = ABLATIONS["idle_no_softmax"] + ABLATIONS["no_rope_qk"] + [
     ("plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n", "\n")]
+# Is the skeleton's floor HBM's (pages from L2 only would lift it) or L2 -> SM's (the same)?
+ABLATIONS["idle_skeleton_same_page"] = ABLATIONS["idle_skeleton"] + ABLATIONS["same_page"]
 # Does the skeleton's page rate follow the ring's depth (latency-bound) or not (bandwidth)?
 ABLATIONS["idle_skeleton_one_stage_less"] = (ABLATIONS["idle_skeleton"]
                                              + ABLATIONS["one_stage_less"])

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from snapmla_jax import quant
+from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import TuningConfig, num_row_tiles
 from snapmla_jax.pallas.mla_decode_fp8 import _decode, mla_decode_fp8
 from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
@@ -160,6 +161,20 @@ def test_fp8_pv_splits_are_capped():
   assert "tensor<8x1x64x512xf32>" in hlo
   hlo = lower(1, 1, 64, 2048 * 64, "fp8", config=TuningConfig(num_splits=1, promote_pv=True))
   assert "tensor<1x1x64x512xf32>" in hlo
+
+
+
+@pytest.mark.parametrize("batch,row_tiles,max_pages,min_splits,expected", [
+    (32, 2, 256, 1, 2),      # one wave of 128 pages
+    (128, 1, 256, 1, 1),     # 2 splits: two waves of 128, no better
+    (57, 2, 256, 1, 1),      # 8 splits: 7 waves of 32 pages, each with its overhead
+    (1, 1, 256, 1, 64),      # 64 CTAs of 4 pages (the shortest split)
+    (32, 2, 1024, 4, 4),     # the FP8 cap: 2 waves of 256
+    (32, 2, 1025, 5, 6),     # 5 splits: 3 waves of 205; 6: 3 of 171
+    (57, 2, 1025, 5, 8),     # 8 splits: 7 waves of 129 against 5 of 205
+])
+def test_default_splits_balance_waves(batch, row_tiles, max_pages, min_splits, expected):
+  assert common.default_num_splits(batch, row_tiles, max_pages, min_splits) == expected
 
 
 @pytest.mark.timeout(300)

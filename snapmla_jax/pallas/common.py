@@ -163,16 +163,27 @@ def cta_work(ranges_ref, lens_ref, pair_axis: str | None = None):
   return row_tile, split, b, first_page, num_steps, lens_ref[b], rows
 
 
-def default_num_splits(batch: int, row_tiles: int, max_pages: int,
-                       num_sms: int = HOPPER_NUM_SMS) -> int:
-  """Splits per sequence so that ``batch * row_tiles * splits`` about fills one wave.
+SPLIT_OVERHEAD_PAGES = 8  # a CTA's Q load, ring fill and f32 partial output (128 KB), in pages
 
-  The kernels hold one CTA per SM (their SMEM ring takes most of the 227 KiB), so one
-  wave is ``num_sms`` CTAs; a split shorter than a few pages is not worth its combine.
+
+def default_num_splits(batch: int, row_tiles: int, max_pages: int, min_splits: int = 1,
+                       num_sms: int = HOPPER_NUM_SMS) -> int:
+  """Splits per sequence (at least ``min_splits``) that minimize the busiest SM's work.
+
+  The kernels hold one CTA per SM (their SMEM ring takes most of the 227 KiB), so
+  ``batch * row_tiles * splits`` CTAs run in ``cdiv(ctas, num_sms)`` waves, each of
+  ``cdiv(max_pages, splits)`` page-steps plus a CTA's overhead (``SPLIT_OVERHEAD_PAGES``);
+  the fewest splits win a tie, and no split is shorter than 4 pages. E.g. b32 h128 with
+  1025 pages and at least 5 splits: 6 splits run 3 waves of 171 pages, 5 splits 3 of 205.
   """
   ctas = batch * row_tiles
-  splits = max(1, round(num_sms / ctas))
-  return max(1, min(splits, max_pages // 4 or 1))
+  most = max(min_splits, max_pages // 4)
+
+  def busiest_sm_steps(splits):
+    waves = pl.cdiv(ctas * splits, num_sms)
+    return waves * (pl.cdiv(max_pages, splits) + SPLIT_OVERHEAD_PAGES)
+
+  return min(range(min_splits, most + 1), key=lambda s: (busiest_sm_steps(s), s))
 
 
 def split_page_ranges(seq_lens: jax.Array, num_splits: int) -> jax.Array:

@@ -582,9 +582,10 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   row_tiles = common.num_row_tiles(s_q, heads)
   padded = row_tiles * QUERY_TILE
   max_pages = block_table.shape[1]
-  num_splits = config.num_splits or common.default_num_splits(batch, row_tiles, max_pages)
-  if pv == "fp8" and not config.promote_pv:  # P V accumulated in place: bound its pages
-    num_splits = max(num_splits, pl.cdiv(max_pages, FP8_PV_MAX_PAGES))
+  # P V accumulated in place (pv="fp8"): at most FP8_PV_MAX_PAGES pages a split
+  min_splits = 1 if pv == "f16" or config.promote_pv else pl.cdiv(max_pages, FP8_PV_MAX_PAGES)
+  num_splits = max(config.num_splits or common.default_num_splits(
+      batch, row_tiles, max_pages, min_splits), min_splits)
   qc = common.pack_query_rows(q_content, padded)
   qs = common.pack_query_rows(q_scale, padded)
   qr = common.pack_query_rows(q_rope, padded)
