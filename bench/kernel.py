@@ -8,7 +8,7 @@ the measured H200 ceilings below), and the ratios to the XLA path and FP8 / BF16
 rows include the query's quantization, by the Fused-Q-Quant kernel as ``mla_decode`` runs it
 (until 84c57a5: XLA's five fusions, ~10 us at b32 h128).
 
-  python bench/kernel.py [--quick] [--md PATH]
+  python bench/kernel.py [--quick | --shapes 32,128,1,16384 ...] [--md PATH] [--skip IMPL,...]
 """
 
 from __future__ import annotations
@@ -99,10 +99,13 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--md", default=None)
   parser.add_argument("--skip", default="", help="comma-separated impls to leave out")
+  parser.add_argument("--shapes", nargs="*", default=None, help="batch,heads,s_q,context ...")
   parser.add_argument("--fp8-stages", type=int, default=None,
                       help="SMEM ring depth of the FP8 kernels (TuningConfig.num_stages)")
   args = parser.parse_args()
   shapes = QUICK if args.quick else SHAPES
+  if args.shapes:
+    shapes = [tuple(map(int, shape.split(","))) for shape in args.shapes]
   table = impls(None if args.fp8_stages is None else TuningConfig(num_stages=args.fp8_stages))
   for name in filter(None, args.skip.split(",")):
     table.pop(name, None)
