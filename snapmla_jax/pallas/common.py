@@ -54,8 +54,9 @@ class TuningConfig:
   Attributes:
     num_stages: depth of the SMEM page ring (pages in flight per CTA); ``None`` picks the
       kernel's default.
-    num_splits: KV splits per sequence; ``None`` picks enough to fill the GPU once
-      (``default_num_splits``). The FP8 kernel's ``pv="fp8"`` may raise it (``promote_pv``).
+    num_splits: KV splits per sequence; ``None`` picks the count whose waves of CTAs end
+      soonest (``default_num_splits``). The FP8 kernel's ``pv="fp8"`` may raise it
+      (``promote_pv``).
     overlap_pv: (FP8 kernel, ``pv="fp8"``) each P V warpgroup builds page i + 1's V^T
       before waiting for page i's ``P_q`` (two V^T buffers in Q's SMEM; a 3-stage ring);
       ``None`` turns it on wherever it applies (``pv="fp8"``, ``schedule="softmax_wg"``,
