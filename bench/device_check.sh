@@ -6,7 +6,7 @@
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
 #   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
-#   bash bench/device_check.sh short    (~6.5 min: key bench rows, the skeleton, e2e at 64k)
+#   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
 #   bash bench/device_check.sh tables   (one call, <= 9.5 min: the full kernel table with the
@@ -63,12 +63,10 @@ case $what in
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
-    timeout 200 bash "$0" bench \
+    timeout 140 bash "$0" bench \
       --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
-      --shapes 32,128,1,16384 64,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384 \
-               128,16,1,65536
-    timeout 110 bash "$0" ablate --shapes 32,128,1,16384 \
-      --only idle_skeleton,idle_skeleton_same_page,no_vt_build,no_pv
+      --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
+    timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
