@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~7 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,18 +44,16 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # what the eighth session left open (~9 min): would a 4th stage pay for V^T ahead's
-         # second buffer; is the TMA skeleton's floor HBM's or L2 -> SM's (on the H200 too);
-         # the knobs' rows with the Fused-Q-Quant; the in-order schedule (f5f0f87) and V^T
-         # ahead on a 2-stage ring on the GPU
-    timeout 200 bash "$0" ablate --only \
-      vt_ahead_4_stages,q_rope_in_registers,idle_skeleton,idle_skeleton_same_page
-    timeout 150 bash "$0" bench --quick \
-      --skip xla-bf16,fp8-f16,fp8-seesaw,bf16-multicast,fp8-promoted
+  next)  # what the ninth session left open (~7 min): where the softmax warpgroup's 1.43 us
+         # per page-step goes (in-kernel trace: is it waiting for pages or executing?), the
+         # in-order schedule (f5f0f87) and V^T ahead on a 2-stage ring on the GPU, end to
+         # end with 16 heads (DeepSeek-V3 under TP8: memory-bound, where FP8 gains most)
+    timeout 90 bash "$0" profile
     small="seq_lens0 or 2-2-16-seq_lens1 or seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5"
     timeout 200 bash "$0" tests tests/test_pallas_fp8.py \
       -k "(gpu_splits and fp8-softmax_wg) or (gpu_in_order_pv and ($small))"
-    status=$? ;;
+    status=$?
+    timeout 110 bash "$0" e2e --heads 16 --contexts 65536 --steps 5 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
