@@ -88,6 +88,19 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          issue_qk(step + 1, s_next_ref)\n"
          "        with jax.named_scope(\"store_p\"):\n"),
     ],
+    # P's scale from a max paired with the softmax's (no second reduction after the exp):
+    # max_j exp2(q (t_j - m)) k_j = exp2(max_j (q t_j + log2 k_j) - q m), reduced while the
+    # softmax's own max is (ptxas can interleave the two). Masking ignored (times only).
+    "sigma_paired_max": [
+        ('        with jax.named_scope("softmax"):\n          visible = None\n',
+         '        with jax.named_scope("softmax"):\n'
+         '          paired = (s * k_scale * common.row_broadcast(q_scale, s.shape)\n'
+         '                    + jnp.log2(k_scale)).max(axis=1)\n'
+         '          visible = None\n'),
+        ("          p_max = p_fused.max(axis=1)\n",
+         "          p_max = jnp.exp2(paired - m_new * q_scale)\n"),
+    ],
+    "no_division": [("inv_sigma = 1.0 / sigma ", "inv_sigma = sigma ")],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)\n",
          "        acc = acc * common.row_broadcast(factor, acc.shape)\n"),

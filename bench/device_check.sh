@@ -49,6 +49,7 @@ case $what in
          # in-order schedule (f5f0f87) and V^T ahead on a 2-stage ring on the GPU, end to
          # end with 16 heads (DeepSeek-V3 under TP8: memory-bound, where FP8 gains most)
     timeout 90 bash "$0" profile
+    timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only sigma_paired_max,no_division
     small="seq_lens0 or 2-2-16-seq_lens1 or seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5"
     timeout 200 bash "$0" tests tests/test_pallas_fp8.py \
       -k "(gpu_splits and fp8-softmax_wg) or (gpu_in_order_pv and ($small))"
