@@ -26,7 +26,9 @@ error grows with the pages a CTA visits (rel. L2 against the emulation 3.4e-3 at
 (``accumulate_pv_fp8``; 1.8e-3 at 2048 pages, but slower so far).
 
 On hardware the V^T buffers reuse the SMEM of Q's content, which the softmax warpgroup
-holds in registers; that leaves room for a 4-stage ring (``default_stages``).
+holds in registers; that leaves room for a 4-stage ring in order, 3 stages with V^T a page
+ahead (two buffers per warpgroup; ``default_stages``). A 4th stage does not pay for the
+second buffer: spent on it, the kernel was 9% slower (H200, ``bench/ablate.py``).
 
 Pages arrive by TMA (three per page, a barrier each: the E4M3 content ``[64, 512]``, the
 per-token scales ``[64]``, the pre-scaled BF16 RoPE ``[64, 64]``) into a
