@@ -215,11 +215,11 @@ def main():
     c = caches["fp8"]
     qc, qs, qr = quant.quantize_query(q, r)
     row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
-    splits = args.splits or mla_decode_fp8.common.default_num_splits(batch, row_tiles,
-                                                                      context // 64)
     config = mla_decode_fp8.common.TuningConfig(
-        num_splits=splits, overlap_pv=False if args.in_order_pv else None,
+        num_splits=args.splits, overlap_pv=False if args.in_order_pv else None,
         promote_pv=args.promote_pv, multicast=args.multicast)
+    # the unchanged kernel's splits (no_split_cap's differ: its per-step figure is off)
+    splits = mla_decode_fp8.split_count(batch, row_tiles, context // 64, config, args.pv)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None

@@ -55,12 +55,13 @@ def main():
 
   from bench.kernel import impls, make_inputs
   from snapmla_jax.pallas import common
+  from snapmla_jax.pallas.mla_decode_fp8 import split_count
   # The trace buffer lives in SMEM, which only the fp8 route's kernels leave room for.
   config = common.TuningConfig(num_stages=args.fp8_stages)
   kernels = {k: v for k, v in impls(config).items() if k in ("fp8-fp8", "fp8-in-order")}
   row_tiles = common.num_row_tiles(1, args.heads)
   pages = args.context // common.PAGE_SIZE
-  steps = pages / common.default_num_splits(args.batch, row_tiles, pages)
+  steps = pages / split_count(args.batch, row_tiles, pages, config, "fp8")
   q, r, caches, bt, sl = make_inputs(args.batch, args.heads, 1, args.context, {"bf16", "fp8"})
   for name, (kind, f) in kernels.items():
     trace_dir = os.path.join(args.out, f"trace-{name}")

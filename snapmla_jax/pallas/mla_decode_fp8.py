@@ -575,6 +575,16 @@ def query_smem():
           common.smem((QUERY_TILE, ROPE_DIM), jnp.bfloat16)]
 
 
+def split_count(batch: int, row_tiles: int, max_pages: int, config: TuningConfig,
+                pv: PvImpl) -> int:
+  """KV splits per sequence: ``config.num_splits`` or ``common.default_num_splits``, raised
+  where P V accumulates in place (``pv="fp8"``) to keep at most ``FP8_PV_MAX_PAGES`` pages
+  a split."""
+  min_splits = 1 if pv == "f16" or config.promote_pv else pl.cdiv(max_pages, FP8_PV_MAX_PAGES)
+  return max(config.num_splits
+             or common.default_num_splits(batch, row_tiles, max_pages, min_splits), min_splits)
+
+
 @functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "pv",
                                              "schedule", "interpret"))
 def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens, *,
@@ -584,10 +594,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   row_tiles = common.num_row_tiles(s_q, heads)
   padded = row_tiles * QUERY_TILE
   max_pages = block_table.shape[1]
-  # P V accumulated in place (pv="fp8"): at most FP8_PV_MAX_PAGES pages a split
-  min_splits = 1 if pv == "f16" or config.promote_pv else pl.cdiv(max_pages, FP8_PV_MAX_PAGES)
-  num_splits = max(config.num_splits or common.default_num_splits(
-      batch, row_tiles, max_pages, min_splits), min_splits)
+  num_splits = split_count(batch, row_tiles, max_pages, config, pv)
   qc = common.pack_query_rows(q_content, padded)
   qs = common.pack_query_rows(q_scale, padded)
   qr = common.pack_query_rows(q_rope, padded)
