@@ -10,10 +10,11 @@ runs, warm-up excluded (until 946a56f: the median of single blocked steps, which
 host's dispatch to each), tokens/s = batch / step time, and the FP8/BF16 ratio in the same
 run. Two FP8 rows: at the BF16 batch, and at the batch that fits in the BF16 cache's memory
 (``batch * 1152 // 644``: a server whose cache memory is full batches that many more
-sequences). The paper's figure 1, on one GPU.
+sequences). With ``--cache-gib G`` the batches are as large as G GiB of cache per device
+holds at each context (BF16's, and FP8's 1.79x as many). The paper's figure 1, on one GPU.
 
-  python bench/e2e.py [--batch 32] [--heads 128] [--layers 2] [--contexts 16384 65536]
-                      [--mesh dp=4,tp=2]   (tokens/s per configuration and per device)
+  python bench/e2e.py [--batch 32 | --cache-gib 60] [--heads 128] [--layers 2]
+                      [--contexts 16384 65536] [--mesh dp=4,tp=2]
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def random_caches(num_layers, num_pages, kind, cfg, key):
                for layer in range(num_layers))
 
 
+def pages_per_sequence(context, steps, repeats=3):
+  """Pages a sequence holds by the end of ``decode_step_time``'s runs (and compiling step)."""
+  return -(-(context + 1 + repeats * steps) // 64)
+
+
 def decode_step_time(model, kind, batch, context, steps, key, mesh=None, repeats=3):
   """Seconds per decode step at ``context`` cached tokens per sequence: the median over
   ``repeats`` runs of ``steps`` steps dispatched back to back (as a serving loop does: the
@@ -55,7 +61,7 @@ def decode_step_time(model, kind, batch, context, steps, key, mesh=None, repeats
   cfg = model.cfg
   dp = 1 if mesh is None else mesh.shape[sharding.DP]
   total_steps = 1 + repeats * steps
-  pages_per_seq = -(-(context + total_steps) // 64)
+  pages_per_seq = pages_per_sequence(context, steps, repeats)
   num_pages = batch * pages_per_seq
   global_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, pages_per_seq)
   block_table = global_table % (num_pages // dp)
@@ -92,6 +98,9 @@ def main(argv=None):
   parser.add_argument("--layers", type=int, default=2, help="1 dense + the rest MoE")
   parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
   parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--cache-gib", type=float, default=None,
+                      help="each kind's batch fills this much cache memory per device (the "
+                           "paper's setting: batch as large as memory allows), not --batch")
   parser.add_argument("--md", default=None, help="also write the table here")
   parser.add_argument("--mesh", default=None, help="dp=D,tp=T: decode on D * T devices")
   parser.add_argument("--small", action="store_true", help="a CPU-sized model (tests)")
@@ -111,21 +120,36 @@ def main(argv=None):
   bytes_per_token = {kind: PagedLatentCache.create(1, kind=kind, kv_lora_rank=cfg.kv_lora_rank,
                                                   rope_dim=cfg.qk_rope_head_dim).bytes_per_token
                      for kind in ("bf16", "fp8")}
-  equal_memory_batch = (args.batch * bytes_per_token["bf16"] // bytes_per_token["fp8"]
-                        // devices * devices)
-  runs = [("bf16", args.batch), ("fp8", args.batch), ("fp8", equal_memory_batch)]
+
+  def batches(context):
+    """``[(kind, batch)]``: BF16 and FP8 at the BF16 batch, then FP8 at the batch that fits
+    in the same cache memory; with ``--cache-gib`` each kind fills that much."""
+    if args.cache_gib is None:
+      bf16 = args.batch
+      fp8 = bf16 * bytes_per_token["bf16"] // bytes_per_token["fp8"] // devices * devices
+    else:
+      seq_bytes = {kind: cfg.num_hidden_layers * pages_per_sequence(context, args.steps) * 64
+                   * per_token for kind, per_token in bytes_per_token.items()}
+      dp = 1 if mesh is None else mesh.shape[sharding.DP]  # pages replicate over tp
+      bf16, fp8 = (int(args.cache_gib * 2**30 * dp // seq_bytes[kind]) // devices * devices
+                   for kind in ("bf16", "fp8"))
+      if bf16 < devices:
+        raise ValueError(f"--cache-gib {args.cache_gib} holds no {context}-token BF16 sequence")
+    return [("bf16", bf16), ("fp8", bf16), ("fp8", fp8)]
+
   lines = ["| context | cache | batch | bytes/token/layer | step (ms) | tokens/s "
            "| tokens/s/device | x BF16 |", "|---|---|---|---|---|---|---|---|"]
   for context in args.contexts:
     rates = []
-    for kind, batch in runs:
+    for kind, batch in batches(context):
       seconds = decode_step_time(model, kind, batch, context, args.steps, key, mesh)
       rates.append(batch / seconds)
       lines.append(f"| {context} | {kind} | {batch} | {bytes_per_token[kind]} | "
                    f"{seconds * 1e3:.3f} | {rates[-1]:.0f} | {rates[-1] / devices:.0f} | "
                    f"{rates[-1] / rates[0]:.2f} |")
       print(lines[-1], flush=True)
-  header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}: batch {args.batch}, "
+  sizing = f"batch {args.batch}" if args.cache_gib is None else f"{args.cache_gib} GiB of cache"
+  header = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {sizing}, "
             f"{args.heads} heads, {args.layers} layers, mesh {args.mesh or 'dp=1,tp=1'}")
   print(header)
   print("\n".join(lines))

@@ -29,6 +29,17 @@ def test_every_kernel_ablation_still_applies():
     assert hasattr(ablate.variant(name), "mla_decode_fp8"), name
 
 
+def test_e2e_fills_cache_memory(tmp_path):
+  """--cache-gib: each kind's batch is what that much cache holds (2 layers x 2 pages of
+  64 tokens per sequence: 294,912 B in BF16, 164,864 in FP8)."""
+  from bench import e2e
+  e2e.main(["--small", "--heads", "16", "--layers", "2", "--cache-gib", str(1e6 / 2**30),
+            "--contexts", "100", "--steps", "1", "--md", str(tmp_path / "e2e.md")])
+  rows = [line.split(" | ") for line in (tmp_path / "e2e.md").read_text().splitlines()
+          if line.startswith("| 100 ")]
+  assert [(r[1], r[2]) for r in rows] == [("bf16", "3"), ("fp8", "3"), ("fp8", "6")]
+
+
 def test_e2e_small_run(tmp_path):
   from bench import e2e
   e2e.main(["--small", "--heads", "16", "--layers", "2", "--batch", "2", "--contexts", "100",
