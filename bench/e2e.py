@@ -110,11 +110,11 @@ def main(argv=None):
   cfg = DeepseekV3Config.demo(num_attention_heads=args.heads, num_hidden_layers=args.layers,
                               **small)
   model = init_random(cfg, dtype=jnp.bfloat16)
-  mesh, devices = None, 1
+  mesh, devices, dp = None, 1, 1
   if args.mesh:
     axes = dict(item.split("=") for item in args.mesh.split(","))
     mesh = sharding.make_mesh(int(axes["dp"]), int(axes["tp"]))
-    devices = mesh.size
+    devices, dp = mesh.size, mesh.shape[sharding.DP]
     model = shard_model(model, mesh)
   key = jax.random.key(0)
   bytes_per_token = {kind: PagedLatentCache.create(1, kind=kind, kv_lora_rank=cfg.kv_lora_rank,
@@ -130,7 +130,7 @@ def main(argv=None):
     else:
       seq_bytes = {kind: cfg.num_hidden_layers * pages_per_sequence(context, args.steps) * 64
                    * per_token for kind, per_token in bytes_per_token.items()}
-      dp = 1 if mesh is None else mesh.shape[sharding.DP]  # pages replicate over tp
+      # each device holds 1/dp of the pages (they replicate over tp)
       bf16, fp8 = (int(args.cache_gib * 2**30 * dp // seq_bytes[kind]) // devices * devices
                    for kind in ("bf16", "fp8"))
       if bf16 < devices:

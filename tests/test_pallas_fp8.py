@@ -163,7 +163,6 @@ def test_fp8_pv_splits_are_capped():
   assert "tensor<1x1x64x512xf32>" in hlo
 
 
-
 @pytest.mark.parametrize("batch,row_tiles,max_pages,min_splits,expected", [
     (32, 2, 256, 1, 2),      # one wave of 128 pages
     (128, 1, 256, 1, 1),     # 2 splits: two waves of 128, no better
