@@ -167,6 +167,27 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
     ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
      "p_q = p_fused.astype(_FP8)"),
 ]
+# Is the softmax chain bound by latency or by issue? A second, independent softmax and
+# quantization per page (half the logits' scale, joined only in P_q, factor and l): if it
+# costs much less than the first (idle_no_softmax -> pv_wgs_idle), a step of two pages
+# (one 64 x 128 softmax, the paper's tiling) would take most of the chain's time off.
+ABLATIONS["idle_softmax_twice"] = ABLATIONS["pv_wgs_idle"] + [
+    ("                                                              visible)\n",
+     "                                                              visible)\n"
+     "          _, alpha2, p2, l2 = common.online_softmax_step(s * (k_scale * 0.5), m_i * 0.5,\n"
+     "                                                         l_i, q_scale, visible)\n"
+     "          l_new = l_new + l2\n"),
+    ("          p_max = p_fused.max(axis=1)\n",
+     "          p_max = p_fused.max(axis=1)\n"
+     "          p_fused2 = p2 * k_scale\n"
+     "          inv_sigma2 = 1.0 / jnp.maximum(p_fused2.max(axis=1) * quant.INV_E4M3_MAX,\n"
+     "                                         quant.SCALE_EPS)\n"),
+    ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
+     "p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)\n"
+     "                 + p_fused2 * common.row_broadcast(inv_sigma2, s.shape)).astype(_FP8)"),
+    ("factor = alpha * sigma_i * inv_sigma\n",
+     "factor = alpha * sigma_i * inv_sigma * alpha2 * inv_sigma2\n"),
+]
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.
 ABLATIONS["idle_skeleton"] = ABLATIONS["idle_no_softmax"] + ABLATIONS["no_rope_qk"] + [
     ("plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n", "\n")]

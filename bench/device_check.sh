@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~7 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,17 +44,19 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # what the ninth session left open (~7 min): where the softmax warpgroup's 1.43 us
-         # per page-step goes (in-kernel trace: is it waiting for pages or executing?), the
-         # in-order schedule (f5f0f87) and V^T ahead on a 2-stage ring on the GPU, end to
-         # end with 16 heads (DeepSeek-V3 under TP8: memory-bound, where FP8 gains most)
-    timeout 90 bash "$0" profile
-    timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only sigma_paired_max,no_division
+  next)  # what the tenth session asks (~9 min): the grid with the row tiles fastest (b128
+         # h128 and the FP8 kernel's 2-wave 64k read each page from HBM once per row tile
+         # before), whether the softmax chain is latency-bound (idle_softmax_twice against
+         # pv_wgs_idle), the chain's cheaper forms, e2e at 16 heads, the open GPU tests
+    timeout 130 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
+      --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536
+    timeout 130 bash "$0" ablate --shapes 32,128,1,16384 \
+      --only pv_wgs_idle,idle_no_softmax,idle_softmax_twice,sigma_paired_max,no_division
+    timeout 100 bash "$0" e2e --heads 16 --contexts 65536 --steps 5
     small="seq_lens0 or 2-2-16-seq_lens1 or seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5"
-    timeout 200 bash "$0" tests tests/test_pallas_fp8.py \
+    timeout 180 bash "$0" tests tests/test_pallas_fp8.py \
       -k "(gpu_splits and fp8-softmax_wg) or (gpu_in_order_pv and ($small))"
-    status=$?
-    timeout 110 bash "$0" e2e --heads 16 --contexts 65536 --steps 5 ;;
+    status=$? ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \

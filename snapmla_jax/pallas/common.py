@@ -5,8 +5,9 @@ Both kernels share the grid, the split-KV schedule and a 64-token page per pipel
 
 * The query rows of one sequence, ``s_q * heads`` of them ordered ``(s_q, head)``, are cut
   into tiles of ``QUERY_TILE = 64`` rows (the wgmma M); one CTA owns one row tile of one
-  sequence and one split of its pages. Grid: ``(row_tiles, num_splits, batch)`` (Pallas
-  launches the last axis fastest: batch, then splits, then row tiles).
+  sequence and one split of its pages. Grid: ``(batch, num_splits, row_tiles)`` (Pallas
+  launches the last axis fastest: the row tiles of a split run side by side and share
+  its pages through L2, also when the CTAs take more than one wave).
 * Three warpgroups per CTA (a fourth would cap every thread at 128 registers: ptxas
   allocates the whole kernel at the launch's cap, whatever setmaxnreg asks). In the BF16
   kernel warpgroup 2 (memory) TMAs the pages through the block table into
@@ -126,15 +127,17 @@ def launch_grid(config: TuningConfig, row_tiles: int, num_splits: int, batch: in
                 interpret: bool):
   """``(plgpu.kernel grid arguments, pair_axis)`` of a decode kernel.
 
-  ``(row_tiles, num_splits, batch)`` and no pair axis; with ``config.multicast`` (on
-  hardware, an even number of row tiles) the row tiles of a sequence go in pairs, as a
-  cluster of two along ``PAIR_AXIS``, the launch's fastest axis, so that both CTAs of a
-  pair run side by side (``cta_work`` takes the axis).
+  ``(batch, num_splits, row_tiles)``, the row tiles fastest (CTAs that read the same pages
+  start together: with the row tiles slowest, b128 h128's 256 CTAs ran one row tile per
+  wave and every page came from HBM twice), and no pair axis; with ``config.multicast``
+  (on hardware, an even number of row tiles) the row tiles of a sequence go in pairs, as
+  a cluster of two along ``PAIR_AXIS``, the launch's fastest axis (``cta_work`` takes
+  the axis).
   """
   if config.multicast and row_tiles % 2 == 0 and not interpret:
     return dict(grid=(batch, num_splits, row_tiles // 2), grid_names=("batch", "split", "rows"),
                 cluster=(2,), cluster_names=(PAIR_AXIS,)), PAIR_AXIS
-  return dict(grid=(row_tiles, num_splits, batch), grid_names=("rows", "split", "batch")), None
+  return dict(grid=(batch, num_splits, row_tiles), grid_names=("batch", "split", "rows")), None
 
 
 def release_barriers(num_arrivals: int, num_stages: int, pair_axis: str | None):
