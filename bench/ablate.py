@@ -167,6 +167,11 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
     ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
      "p_q = p_fused.astype(_FP8)"),
 ]
+# Is QK's latency on the softmax warpgroup's chain (it is issued a page ahead, under the
+# softmax)? Each page's content QK issued twice: the chain grows by QK's time if so.
+ABLATIONS["qk_twice"] = [("      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n",
+                          "      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n" * 2)]
+ABLATIONS["idle_qk_twice"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["qk_twice"]
 # Is the softmax chain bound by latency or by issue? A second, independent softmax and
 # quantization per page (half the logits' scale, joined only in P_q, factor and l): if it
 # costs much less than the first (idle_no_softmax -> pv_wgs_idle), a step of two pages

@@ -47,12 +47,12 @@ case $what in
   next)  # what the tenth session asks (~9 min): the grid with the row tiles fastest (b128
          # h128 and the FP8 kernel's 2-wave 64k read each page from HBM once per row tile
          # before), whether the softmax chain is latency-bound (idle_softmax_twice against
-         # pv_wgs_idle), the chain's cheaper forms, e2e at 16 heads, the open GPU tests
+         # pv_wgs_idle), the chain's cheaper forms, the in-kernel trace, the open GPU tests
     timeout 130 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536
-    timeout 130 bash "$0" ablate --shapes 32,128,1,16384 \
-      --only pv_wgs_idle,idle_no_softmax,idle_softmax_twice,sigma_paired_max,no_division
-    timeout 100 bash "$0" e2e --heads 16 --contexts 65536 --steps 5
+    timeout 150 bash "$0" ablate --shapes 32,128,1,16384 \
+      --only pv_wgs_idle,idle_no_softmax,idle_softmax_twice,idle_qk_twice,qk_twice,sigma_paired_max,no_division
+    timeout 90 bash "$0" profile
     small="seq_lens0 or 2-2-16-seq_lens1 or seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5"
     timeout 180 bash "$0" tests tests/test_pallas_fp8.py \
       -k "(gpu_splits and fp8-softmax_wg) or (gpu_in_order_pv and ($small))"
