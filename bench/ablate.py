@@ -172,6 +172,26 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
 ABLATIONS["qk_twice"] = [("      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n",
                           "      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n" * 2)]
 ABLATIONS["idle_qk_twice"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["qk_twice"]
+# ... or the next page's QK waited for at once, before this page's softmax (no overlap):
+# if the chain does not grow, QK and the softmax did not overlap to begin with.
+ABLATIONS["idle_qk_serial"] = ABLATIONS["pv_wgs_idle"] + [
+    ('          issue_qk(step + 1, s_next_ref)\n        with jax.named_scope("softmax"):\n',
+     '          issue_qk(step + 1, s_next_ref)\n        plgpu.wgmma_wait(0)\n'
+     '        with jax.named_scope("softmax"):\n')]
+# Does QK block the softmax warpgroup because its A operand (Q) is in that warpgroup's
+# registers? With the P V warpgroups idle, Q's SMEM is never overwritten by V^T, so QK can
+# read its A from SMEM instead (as before bf21e1a); then serialize it as idle_qk_serial.
+ABLATIONS["idle_q_smem"] = ABLATIONS["pv_wgs_idle"] + [
+    ("plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)",
+     "plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)")]
+ABLATIONS["idle_q_smem_qk_serial"] = (ABLATIONS["idle_q_smem"]
+                                      + ABLATIONS["idle_qk_serial"][len(ABLATIONS["pv_wgs_idle"]):])
+# P's hand-off without its proxy fence and warpgroup barrier (MEMBAR.ALL.CTA, FENCE.VIEW.
+# ASYNC.S, BAR.SYNC in SASS): what the fence costs the chain (results may be wrong).
+ABLATIONS["no_p_fence"] = [
+    ("          factor_smem.at[buf][...] = factor\n          plgpu.commit_smem()\n",
+     "          factor_smem.at[buf][...] = factor\n")]
+ABLATIONS["idle_no_p_fence"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_p_fence"]
 # Is the softmax chain bound by latency or by issue? A second, independent softmax and
 # quantization per page (half the logits' scale, joined only in P_q, factor and l): if it
 # costs much less than the first (idle_no_softmax -> pv_wgs_idle), a step of two pages

@@ -121,7 +121,8 @@ def main():
         continue
       if re.match(r"\s*(ptxas|\d+ bytes stack frame)", line):
         print("  ptxas:", line.strip())
-    cubin = next(filter(None, map(extract_cubin, texts.values())), None)
+    # the decode kernel's cubin: the largest (the FP8 route also compiles the Q-quant kernel)
+    cubin = max(filter(None, map(extract_cubin, texts.values())), key=len, default=None)
     sass = ""
     if cubin:
       with open(os.path.join(dump, "kernel.cubin"), "wb") as fh:
