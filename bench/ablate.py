@@ -186,6 +186,18 @@ ABLATIONS["idle_q_smem"] = ABLATIONS["pv_wgs_idle"] + [
      "plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)")]
 ABLATIONS["idle_q_smem_qk_serial"] = (ABLATIONS["idle_q_smem"]
                                       + ABLATIONS["idle_qk_serial"][len(ABLATIONS["pv_wgs_idle"]):])
+# The whole kernel with QK's A operand from SMEM (V^T then needs SMEM of its own): in
+# order (one V^T buffer per warpgroup, 3 stages) or with V^T ahead on a 2-stage ring.
+ABLATIONS["q_smem"] = [
+    ('v_in_q = in_place and pv_impl == "fp8"\n', 'v_in_q = False\n'),
+    ("q_in_registers=in_place,", "q_in_registers=False,"),
+]
+ABLATIONS["q_smem_vt_ahead_2_stages"] = ABLATIONS["q_smem"] + [
+    ("overlap_pv = v_in_q and not promote_pv and not deeper_ring",
+     "overlap_pv = in_place and not promote_pv"),
+    ("return 4 if v_in_q and not overlap_pv else 3",
+     "return 2 if overlap_pv and not v_in_q else 4 if v_in_q and not overlap_pv else 3"),
+]
 # P's hand-off without its proxy fence and warpgroup barrier (MEMBAR.ALL.CTA, FENCE.VIEW.
 # ASYNC.S, BAR.SYNC in SASS): what the fence costs the chain (results may be wrong).
 ABLATIONS["no_p_fence"] = [
