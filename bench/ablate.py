@@ -45,7 +45,7 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          '  return traced\n'),
     ],
     "no_p_quant": [
-        ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
+        ("p_q = (p_fused * common.row_broadcast(inv_sigma, p_fused.shape)).astype(_FP8)",
          "p_q = p_fused.astype(_FP8)"),
     ],
     "no_store_p": [
@@ -88,19 +88,6 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          issue_qk(step + 1, s_next_ref)\n"
          "        with jax.named_scope(\"store_p\"):\n"),
     ],
-    # P's scale from a max paired with the softmax's (no second reduction after the exp):
-    # max_j exp2(q (t_j - m)) k_j = exp2(max_j (q t_j + log2 k_j) - q m), reduced while the
-    # softmax's own max is (ptxas can interleave the two). Masking ignored (times only).
-    "sigma_paired_max": [
-        ('        with jax.named_scope("softmax"):\n          visible = None\n',
-         '        with jax.named_scope("softmax"):\n'
-         '          paired = (s * k_scale * common.row_broadcast(q_scale, s.shape)\n'
-         '                    + jnp.log2(k_scale)).max(axis=1)\n'
-         '          visible = None\n'),
-        ("          p_max = p_fused.max(axis=1)\n",
-         "          p_max = jnp.exp2(paired - m_new * q_scale)\n"),
-    ],
-    "no_division": [("inv_sigma = 1.0 / sigma ", "inv_sigma = sigma ")],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)\n",
          "        acc = acc * common.row_broadcast(factor, acc.shape)\n"),
@@ -136,14 +123,6 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     ],
     "auto_barriers": [("common.compiler_params(auto_barriers=False)", "common.compiler_params()")],
     "no_rope_qk": [("plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)\n", "\n")],
-    # The softmax warpgroup's order until the sixth session: page i's slot released once page
-    # i + 1 has arrived and its QK is issued.
-    "release_after_next_qk": [
-        ("        plgpu.barrier_arrive(kv_free.at[slot])\n\n        @pl.when", "        @pl.when"),
-        ('        with jax.named_scope("softmax"):\n',
-         '        plgpu.barrier_arrive(kv_free.at[slot])\n'
-         '        with jax.named_scope("softmax"):\n'),
-    ],
 }
 
 # Both P V warpgroups idle but for their barriers: what is left is the softmax warpgroup's chain.
@@ -159,13 +138,8 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
      "                                                              visible)",
      "m_new, alpha, p, l_new = m_i, l_i * 0.0 + 1.0, s, l_i"),
     ("p_fused = p * k_scale\n", "p_fused = p\n"),
-    ("          p_max = p_fused.max(axis=1)\n", ""),
-    ("sigma = jnp.where(p_max > 0,\n"
-     "                            jnp.maximum(p_max * quant.INV_E4M3_MAX, "
-     "quant.SCALE_EPS), sigma_i)",
-     "sigma = sigma_i"),
-    ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
-     "p_q = p_fused.astype(_FP8)"),
+    ("sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)",
+     "sigma, inv_sigma, p_q = sigma_i, sigma_i, p_fused.astype(_FP8)"),
 ]
 # Is QK's latency on the softmax warpgroup's chain (it is issued a page ahead, under the
 # softmax)? Each page's content QK issued twice: the chain grows by QK's time if so.
@@ -201,30 +175,8 @@ ABLATIONS["q_smem_vt_ahead_2_stages"] = ABLATIONS["q_smem"] + [
 # P's hand-off without its proxy fence and warpgroup barrier (MEMBAR.ALL.CTA, FENCE.VIEW.
 # ASYNC.S, BAR.SYNC in SASS): what the fence costs the chain (results may be wrong).
 ABLATIONS["no_p_fence"] = [
-    ("          factor_smem.at[buf][...] = factor\n          plgpu.commit_smem()\n",
-     "          factor_smem.at[buf][...] = factor\n")]
+    ("      plgpu.commit_smem()\n      for buf in bufs:\n", "      for buf in bufs:\n")]
 ABLATIONS["idle_no_p_fence"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_p_fence"]
-# Is the softmax chain bound by latency or by issue? A second, independent softmax and
-# quantization per page (half the logits' scale, joined only in P_q, factor and l): if it
-# costs much less than the first (idle_no_softmax -> pv_wgs_idle), a step of two pages
-# (one 64 x 128 softmax, the paper's tiling) would take most of the chain's time off.
-ABLATIONS["idle_softmax_twice"] = ABLATIONS["pv_wgs_idle"] + [
-    ("                                                              visible)\n",
-     "                                                              visible)\n"
-     "          _, alpha2, p2, l2 = common.online_softmax_step(s * (k_scale * 0.5), m_i * 0.5,\n"
-     "                                                         l_i, q_scale, visible)\n"
-     "          l_new = l_new + l2\n"),
-    ("          p_max = p_fused.max(axis=1)\n",
-     "          p_max = p_fused.max(axis=1)\n"
-     "          p_fused2 = p2 * k_scale\n"
-     "          inv_sigma2 = 1.0 / jnp.maximum(p_fused2.max(axis=1) * quant.INV_E4M3_MAX,\n"
-     "                                         quant.SCALE_EPS)\n"),
-    ("p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)",
-     "p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)\n"
-     "                 + p_fused2 * common.row_broadcast(inv_sigma2, s.shape)).astype(_FP8)"),
-    ("factor = alpha * sigma_i * inv_sigma\n",
-     "factor = alpha * sigma_i * inv_sigma * alpha2 * inv_sigma2\n"),
-]
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.
 ABLATIONS["idle_skeleton"] = ABLATIONS["idle_no_softmax"] + ABLATIONS["no_rope_qk"] + [
     ("plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n", "\n")]
@@ -260,6 +212,8 @@ def main():
                       help="TuningConfig(overlap_pv=False): V^T built after the previous P V")
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
+  parser.add_argument("--paired-softmax", action="store_true",
+                      help="TuningConfig.paired_softmax")
   args = parser.parse_args()
   from bench.kernel import SCALE, make_inputs, measure
 
@@ -275,7 +229,8 @@ def main():
     row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
     config = mla_decode_fp8.common.TuningConfig(
         num_splits=args.splits, overlap_pv=False if args.in_order_pv else None,
-        promote_pv=args.promote_pv, multicast=args.multicast)
+        promote_pv=args.promote_pv, multicast=args.multicast,
+        paired_softmax=args.paired_softmax)
     # the unchanged kernel's splits (no_split_cap's differ: its per-step figure is off)
     splits = mla_decode_fp8.split_count(batch, row_tiles, context // 64, config, args.pv)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)

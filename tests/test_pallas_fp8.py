@@ -98,6 +98,20 @@ def test_interpret_two_row_tiles_not_causal_zero_tokens(schedule):
   run_and_check(case, s_q=2, causal=False, schedule=schedule, interpret=True)
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seq_lens,s_q,heads,splits,stages", [
+    ([640, 200], 1, 16, 1, None),   # 10 full pages: 5 pairs; 4 pages: 1 pair + a partial
+    ([300, 64], 2, 48, 1, 2),       # 4 full pages + a partial (s_q = 2) through a 2-slot ring
+    ([1, 450], 2, 16, 2, None),     # seq_len 1; splits of 4 and 4 pages, the last partial
+])
+def test_interpret_paired_softmax(seq_lens, s_q, heads, splits, stages):
+  """``TuningConfig(paired_softmax=True)``: pairs of full pages, then single steps (an odd
+  full page, the partial last ones); per-page P scales as the emulation's."""
+  case = make_case(2, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",))
+  config = TuningConfig(num_stages=stages, num_splits=splits, paired_softmax=True)
+  run_and_check(case, s_q=s_q, config=config, interpret=True)
+
+
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""
@@ -186,6 +200,11 @@ def test_in_order_pv_lowers_for_cuda():  # overlap_pv is the default on hardware
 
 
 @pytest.mark.timeout(300)
+def test_paired_softmax_lowers_for_cuda():
+  config = TuningConfig(paired_softmax=True)
+  assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8", config=config)
+
+
 def test_seesaw_lowers_for_cuda():  # one shape: its lowering takes ~20 s on CI's CPU
   assert "mosaic_gpu" in lower(128, 2, 16, 65536, "fp8", "seesaw")
 
@@ -215,6 +234,9 @@ def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match="does not multicast"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
          config=TuningConfig(multicast=True))
+  with pytest.raises(ValueError, match="paired_softmax needs schedule='softmax_wg'"):
+    call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
+         config=TuningConfig(paired_softmax=True))
   with pytest.raises(ValueError, match="promote_pv needs pv='fp8'"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="f16",
          config=TuningConfig(promote_pv=True))
@@ -237,17 +259,22 @@ def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv, schedule):
         f"vs_fp32={ref_err:.2e}")
 
 
+SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False), "paired_softmax": dict(paired_softmax=True)}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("knob", SCHEDULE_KNOBS)
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
-def test_gpu_in_order_pv(batch, s_q, heads, seq_lens):
-  """``TuningConfig(overlap_pv=False)``: one V^T buffer, each page's built after the
-  previous page's P V (``test_gpu_vs_emulation`` runs the default, V^T a page ahead)."""
+def test_gpu_schedule_knobs(batch, s_q, heads, seq_lens, knob):
+  """The hardware path off its default schedule (``test_gpu_vs_emulation`` runs that):
+  ``overlap_pv=False`` (one V^T buffer, each page's built after the previous page's P V)
+  and ``paired_softmax`` (the softmax warpgroup takes full pages two at a time)."""
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
   for splits in (None, 3):
-    err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8",
-                                 config=TuningConfig(num_splits=splits, overlap_pv=False))
-    print(f"fp8-fp8-in-order b={batch} s_q={s_q} h={heads} splits={splits}: "
+    config = TuningConfig(num_splits=splits, **SCHEDULE_KNOBS[knob])
+    err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8", config=config)
+    print(f"fp8-fp8-{knob} b={batch} s_q={s_q} h={heads} splits={splits}: "
           f"rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 

@@ -68,12 +68,17 @@ class TuningConfig:
     multicast: (both kernels) pair the CTAs of consecutive row tiles of a sequence in a
       cluster of two that copies each page once from L2 and multicasts it into both
       CTAs' rings, halving the L2 -> SM traffic; only where the row tiles are even.
+    paired_softmax: (FP8 kernel, ``schedule="softmax_wg"``) the softmax warpgroup takes
+      the pages every row sees in full two at a time: both QKs, one online-softmax step
+      over 128 tokens, ``P'`` still quantized per page, one hand-off (fence and barrier)
+      per pair; a third P buffer.
   """
   num_stages: int | None = None
   num_splits: int | None = None
   overlap_pv: bool | None = None
   promote_pv: bool = False
   multicast: bool = False
+  paired_softmax: bool = False
 
   def __post_init__(self):
     if self.num_stages is not None and self.num_stages < 2:

@@ -9,8 +9,12 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   ``scale_q * scale_k``; online softmax (exp2 domain, the row sum
   ``l`` over the unquantized exponentials); scale-fused ``P' = P * scale_k``, quantized
   to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into one of
-  two SMEM buffers. It issues page ``i + 1``'s QK before the softmax of page ``i``, so the
-  tensor cores run the next QK under this page's softmax.
+  two SMEM buffers. It issues page ``i + 1``'s QK before the softmax of page ``i``, meant
+  to run the next QK under this page's softmax (on an H100 it does not: waiting for that QK
+  first costs nothing, RESULTS.md). With ``TuningConfig.paired_softmax`` it takes the pages
+  every row sees in full two at a time instead: both QKs, one online-softmax step over 128
+  tokens (``P_q`` is the same up to f32 rounding: a row's scale cancels in ``P' / sigma``),
+  ``P'`` quantized per page, one SMEM fence and hand-off per pair, three P buffers.
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
   ``acc <- acc * factor + P_q V``. On a GPU (``TuningConfig.overlap_pv``, on by default
@@ -96,6 +100,7 @@ _HALF_PAGE = PAGE_SIZE // 2
 SOFTMAX_WG = 0
 PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
+PAIRED_P_BUFFERS = 3       # paired softmax: a pair is stored while P V reads the last page
 PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
 FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (_decode)
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
@@ -196,6 +201,18 @@ def permute_bytes(a, b, selector: int):
   return permute(a, b)
 
 
+def quantize_p_tile(p_fused, sigma_prev):
+  """``P' = P * scale_k`` (f32 ``[64, 64]``, one page) to E4M3 with one scale per row:
+  ``sigma = max(amax / 448, SCALE_EPS)``; a row whose ``P'`` is all zero (masked) keeps
+  ``sigma_prev``. Returns ``(sigma, 1 / sigma, P_q)``."""
+  p_max = p_fused.max(axis=1)
+  sigma = jnp.where(p_max > 0, jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS),
+                    sigma_prev)
+  inv_sigma = 1.0 / sigma  # one (IEEE) division per row, not two
+  p_q = (p_fused * common.row_broadcast(inv_sigma, p_fused.shape)).astype(_FP8)
+  return sigma, inv_sigma, p_q
+
+
 def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
   """``P_q`` (e4m3 ``[64, 64]``) into ``p_smem`` in the order of V's rows: f16 ``[64, 64]``
   for ``pv="f16"``; for ``pv="fp8"`` the u16 ``[64, 32]`` view of e4m3 ``[64, 64]`` whose
@@ -249,9 +266,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool,
-            promote_pv: bool, pair_axis: str | None):
+            promote_pv: bool, paired: bool, pair_axis: str | None):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
+  p_buffers = PAIRED_P_BUFFERS if paired else P_BUFFERS
   wg = lax.axis_index("wg")
   # v_smem[half]: each P V warpgroup's half of V (f16) or V^T (fp8); with ``overlap_pv``
   # two of them, ``[page parity]``. V^T lives in the SMEM of Q's content when the softmax
@@ -305,11 +323,62 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)
       plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
 
-    def first_scores(s_ref):
-      @pl.when(num_steps > 0)
+    def first_scores(first, s_ref):
+      @pl.when(first < num_steps)
       def _():
-        issue_qk(0, s_ref)
+        issue_qk(first, s_ref)
       return s_ref[...]
+
+    def page_scale(step):
+      """Page ``step``'s per-token scales broadcast over ``[64 rows, 64 tokens]``; then
+      releases its slot (its QK is done: the caller holds S)."""
+      slot = lax.rem(step, num_stages)
+      plgpu.barrier_wait(kv_bar(slot, _SCALE))
+      k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
+      plgpu.barrier_arrive(kv_free.at[slot])
+      return lax.broadcast_in_dim(k_scale, (QUERY_TILE, PAGE_SIZE), [1])
+
+    def hand_off_p(pages):
+      """Stores ``(step, P_q, factor)`` of each page into its P buffer (once both P V
+      warpgroups are done with the page ``p_buffers`` earlier) behind one SMEM fence."""
+      bufs = [lax.rem(step, p_buffers) for step, _, _ in pages]
+      for (step, p_q, factor), buf in zip(pages, bufs):
+        @pl.when(step >= p_buffers)
+        def _():
+          plgpu.barrier_wait(p_free.at[buf])
+        store_p(p_q, buf)
+        factor_smem.at[buf][...] = factor
+      plgpu.commit_smem()
+      for buf in bufs:
+        plgpu.barrier_arrive(p_ready.at[buf])
+
+    def pair_step_fn(pair, carry):
+      """Pages ``2 pair`` and ``2 pair + 1`` (both seen in full by every row): both QKs,
+      one online-softmax step over their 128 tokens, ``P'`` quantized per page, one hand-off.
+      QK is not issued a page ahead here: on Hopper the softmax warpgroup's QK did not
+      overlap its softmax anyway (RESULTS.md, tenth session)."""
+      m_i, l_i, sigma_i = carry
+      steps = (2 * pair, 2 * pair + 1)
+
+      def both_scores(s_a_ref, s_b_ref):
+        for step, s_ref in zip(steps, (s_a_ref, s_b_ref)):
+          issue_qk(step, s_ref)
+        with jax.named_scope("wait_qk"):
+          return s_a_ref[...], s_b_ref[...]
+
+      acc = plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)
+      scores = pl.run_scoped(both_scores, acc, acc)
+      k_scales = [page_scale(step) for step in steps]
+      with jax.named_scope("softmax"):
+        t = jnp.concatenate([s * k for s, k in zip(scores, k_scales)], axis=1)
+        m_new, alpha, p, l_new = common.online_softmax_step(t, m_i, l_i, q_scale)
+      with jax.named_scope("quantize_p"):
+        sigma_a, inv_a, p_q_a = quantize_p_tile(p[:, :PAGE_SIZE] * k_scales[0], sigma_i)
+        sigma_b, inv_b, p_q_b = quantize_p_tile(p[:, PAGE_SIZE:] * k_scales[1], sigma_a)
+      with jax.named_scope("store_p"):
+        hand_off_p(((steps[0], p_q_a, alpha * sigma_i * inv_a),
+                    (steps[1], p_q_b, sigma_a * inv_b)))
+      return m_new, l_new, sigma_b
 
     def step_fn(step, carry, *, masked: bool):
       """One page. Logits stay in units of ``t = S * scale_k`` (the true logit, in the exp2
@@ -318,16 +387,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       element. ``masked``: the page holds tokens some row may not see (the last pages)."""
       s, m_i, l_i, sigma_i = carry
       slot = lax.rem(step, num_stages)
-      buf = lax.rem(step, P_BUFFERS)
       first_token = (first_page + step) * PAGE_SIZE
 
       def softmax_under_next_qk(s_next_ref):
         # This page's QK is done (``s``): read its scales and release its slot before
         # waiting for the next page, so that the refill does not queue behind its arrival.
-        plgpu.barrier_wait(kv_bar(slot, _SCALE))
-        k_scale = lax.broadcast_in_dim(plgpu.load(ks_smem.at[slot], layout=col_layout),
-                                       s.shape, [1])
-        plgpu.barrier_arrive(kv_free.at[slot])
+        k_scale = page_scale(step)
 
         @pl.when(step + 1 < num_steps)
         def _():
@@ -343,20 +408,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           p_fused = p * k_scale
           if masked:
             p_fused = jnp.where(visible, p_fused, 0.0)
-          p_max = p_fused.max(axis=1)
-          sigma = jnp.where(p_max > 0,
-                            jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
-          inv_sigma = 1.0 / sigma  # one (IEEE) division per row, not two
-          p_q = (p_fused * common.row_broadcast(inv_sigma, s.shape)).astype(_FP8)
+          sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)
           factor = alpha * sigma_i * inv_sigma
         with jax.named_scope("store_p"):
-          @pl.when(step >= P_BUFFERS)
-          def _():
-            plgpu.barrier_wait(p_free.at[buf])  # both halves done with page step - 2
-          store_p(p_q, buf)
-          factor_smem.at[buf][...] = factor
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(p_ready.at[buf])
+          hand_off_p(((step, p_q, factor),))
         with jax.named_scope("wait_qk"):
           s_next = s_next_ref[...]
         return s_next, m_new, l_new, sigma
@@ -365,16 +420,22 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                            plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
 
     num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-    carry = (s0, common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
+    carry = (common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
              common.zero_rows(QUERY_TILE, 1.0))
-    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
+    first_single = 0  # the first page that takes a step of its own
+    if paired:
+      carry = lax.fori_loop(0, num_full // 2, pair_step_fn, carry)
+      first_single = num_full // 2 * 2
+    s0 = pl.run_scoped(functools.partial(first_scores, first_single),
+                       plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+    carry = lax.fori_loop(first_single, num_full, functools.partial(step_fn, masked=False),
+                          (s0, *carry))
     _, m_i, l_i, sigma_i = lax.fori_loop(num_full, num_steps,
                                          functools.partial(step_fn, masked=True), carry)
     seen = l_i > 0
-    buf = lax.rem(num_steps, P_BUFFERS)
+    buf = lax.rem(num_steps, p_buffers)
 
-    @pl.when(num_steps >= P_BUFFERS)
+    @pl.when(num_steps >= p_buffers)
     def _():
       plgpu.barrier_wait(p_free.at[buf])
     # The last "step": the P V warpgroups normalize with this factor.
@@ -385,9 +446,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     plgpu.barrier_arrive(p_ready.at[buf])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
 
-    @pl.when(num_steps >= 1)  # observe the last page's release: every phase is waited
-    def _():
-      plgpu.barrier_wait(p_free.at[lax.rem(num_steps - 1, P_BUFFERS)])
+    for back in range(p_buffers - 1, 0, -1):  # observe the last pages' releases: every
+      @pl.when(num_steps >= back)             # phase is waited
+      def _():
+        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, p_buffers)])
     plgpu.wait_smem_to_gmem(0)
 
   def pv_warpgroup(half: int):
@@ -422,7 +484,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
     def wait_p(step):
       """Waits for page ``step``'s ``P_q``; returns its P buffer and rescaling factor."""
-      buf = lax.rem(step, P_BUFFERS)
+      buf = lax.rem(step, p_buffers)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready.at[buf])
       return buf, factor_smem.at[buf][...]
@@ -468,7 +530,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         @pl.when(num_steps - back >= 0)
         def _():
           plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
-    buf = lax.rem(num_steps, P_BUFFERS)
+    buf = lax.rem(num_steps, p_buffers)
     plgpu.barrier_wait(p_ready.at[buf])
     out = acc * common.row_broadcast(factor_smem.at[buf][...], acc.shape)
     out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
@@ -491,7 +553,7 @@ _OVERLAP_PV_MAX_STAGES = default_stages("fp8", v_in_q=True, overlap_pv=True)
 
 
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       overlap_pv=None, promote_pv=False, pair_axis=None):
+                       overlap_pv=None, promote_pv=False, paired=False, pair_axis=None):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
@@ -515,8 +577,9 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      overlap_pv=overlap_pv, promote_pv=promote_pv, pair_axis=pair_axis)
-  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
+      overlap_pv=overlap_pv, promote_pv=promote_pv, paired=paired, pair_axis=pair_axis)
+  p_buffers = PAIRED_P_BUFFERS if paired else P_BUFFERS
+  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=p_buffers,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
   v_bufs = (v_buf,) * len(PV_WGS)
@@ -528,14 +591,14 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       *ring,
       v_bufs,
       p_buf,
-      plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
+      plgpu.SMEM((p_buffers, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=3 * stages),
       # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
       common.release_barriers(1 + len(PV_WGS), stages, pair_axis),
-      plgpu.Barrier(num_barriers=P_BUFFERS),
-      plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
+      plgpu.Barrier(num_barriers=p_buffers),
+      plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=p_buffers),
       plgpu.Barrier() if v_in_q else (),  # Q's SMEM is free
   ]
   return kernel, scratch, 1 + len(PV_WGS)
@@ -608,7 +671,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
-        promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
+        promote_pv=config.promote_pv, paired=config.paired_softmax, pair_axis=pair_axis,
+        **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -688,6 +752,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
   if schedule == "seesaw" and config.multicast:
     raise ValueError("schedule='seesaw' does not multicast pages, got config.multicast=True")
+  if config.paired_softmax and schedule != "softmax_wg":
+    raise ValueError(f"config.paired_softmax needs schedule='softmax_wg', got {schedule=!r}")
   if config.promote_pv and (pv, schedule) != ("fp8", "softmax_wg"):
     raise ValueError("config.promote_pv needs pv='fp8' and schedule='softmax_wg', "
                      f"got {pv=!r}, {schedule=!r}")
