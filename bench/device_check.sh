@@ -47,23 +47,23 @@ case $what in
   next)  # what the tenth session leaves open (~9.5 min): the paired softmax against
          # the default, why QK does not overlap the softmax (Q's A from SMEM? P's fence?),
          # the paired softmax's GPU tests
-    timeout 110 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
+    timeout 150 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
       --shapes 32,128,1,16384 128,16,1,16384 32,128,2,16384
-    timeout 150 bash "$0" ablate --shapes 32,128,1,16384 \
+    timeout 130 bash "$0" ablate --shapes 32,128,1,16384 \
       --only idle_q_smem,idle_no_p_fence,pv_wgs_idle,q_smem,q_smem_vt_ahead_2_stages,no_p_fence,idle_q_smem_qk_serial
-    timeout 70 bash "$0" ablate --paired-softmax --shapes 32,128,1,16384 --only pv_wgs_idle,q_smem
-    small="seq_lens0 or 2-2-16-seq_lens1 or seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5"
-    timeout 200 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_schedule_knobs and paired_softmax and ($small)"
+    timeout 60 bash "$0" ablate --paired-softmax --shapes 32,128,1,16384 --only pv_wgs_idle,q_smem
+    small="seq_lens0 or 2-2-16-seq_lens1 or seq_lens3 or seq_lens5"
+    timeout 170 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_schedule_knobs and paired_softmax and ($small)"
     status=$? ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired,fp8-paired-in-order
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired,fp8-paired-in-order \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;

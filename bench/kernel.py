@@ -90,6 +90,8 @@ def impls(fp8_config=None):
       "fp8-multicast": ("fp8", fp8("fp8", multicast=True)),
       "fp8-seesaw": ("fp8", fp8("fp8", "seesaw")),
       "fp8-paired": ("fp8", fp8("fp8", paired_softmax=True)),
+      # paired, V^T built in order: the SMEM of V^T's second buffer gives a 4th stage
+      "fp8-paired-in-order": ("fp8", fp8("fp8", paired_softmax=True, overlap_pv=False)),
       "xla-bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode(
           q, r, c, bt, sl, softmax_scale=SCALE, impl="xla")),
   }

@@ -200,8 +200,9 @@ def test_in_order_pv_lowers_for_cuda():  # overlap_pv is the default on hardware
 
 
 @pytest.mark.timeout(300)
-def test_paired_softmax_lowers_for_cuda():
-  config = TuningConfig(paired_softmax=True)
+@pytest.mark.parametrize("overlap_pv", [None, False])  # V^T ahead (3 stages) or in order (4)
+def test_paired_softmax_lowers_for_cuda(overlap_pv):
+  config = TuningConfig(paired_softmax=True, overlap_pv=overlap_pv)
   assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8", config=config)
 
 
