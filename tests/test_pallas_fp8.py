@@ -177,6 +177,17 @@ def test_fp8_pv_splits_are_capped():
   assert "tensor<1x1x64x512xf32>" in hlo
 
 
+@pytest.mark.parametrize("multicast", [False, True])
+def test_row_tiles_launch_together(multicast):
+  """The CTAs that read the same pages (a split's row tiles) launch next to each other: the
+  grid's last axis, which Mosaic GPU launches fastest. With the row tiles slowest, b128
+  h128's two waves read every page from HBM twice (1.61x slower BF16, RESULTS.md)."""
+  grid = common.launch_grid(TuningConfig(multicast=multicast), row_tiles=2, num_splits=3,
+                            batch=128, interpret=False)[0]
+  assert grid["grid_names"] == ("batch", "split", "rows")
+  assert grid["grid"] == (128, 3, 1 if multicast else 2)
+
+
 @pytest.mark.parametrize("batch,row_tiles,max_pages,min_splits,expected", [
     (32, 2, 256, 1, 2),      # one wave of 128 pages
     (128, 1, 256, 1, 1),     # 2 splits: two waves of 128, no better

@@ -101,6 +101,7 @@ SOFTMAX_WG = 0
 PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
 PAIRED_P_BUFFERS = 3       # paired softmax: a pair is stored while P V reads the last page
+QK_WGMMA_GROUPS = 2        # a page's QK: the content and RoPE wgmma, a commit group each
 PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
 FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (_decode)
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
@@ -361,14 +362,19 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       steps = (2 * pair, 2 * pair + 1)
 
       def both_scores(s_a_ref, s_b_ref):
+        """Both pages' S and scales; the first page's slot is released while the second
+        page's QK runs (its wgmma groups may still be pending)."""
         for step, s_ref in zip(steps, (s_a_ref, s_b_ref)):
           issue_qk(step, s_ref)
         with jax.named_scope("wait_qk"):
-          return s_a_ref[...], s_b_ref[...]
+          s_a = plgpu.wgmma_accumulator_load(s_a_ref, wait_n=QK_WGMMA_GROUPS)
+        k_a = page_scale(steps[0])
+        with jax.named_scope("wait_qk"):
+          s_b = s_b_ref[...]
+        return (s_a, s_b), (k_a, page_scale(steps[1]))
 
       acc = plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)
-      scores = pl.run_scoped(both_scores, acc, acc)
-      k_scales = [page_scale(step) for step in steps]
+      scores, k_scales = pl.run_scoped(both_scores, acc, acc)
       with jax.named_scope("softmax"):
         t = jnp.concatenate([s * k for s, k in zip(scores, k_scales)], axis=1)
         m_new, alpha, p, l_new = common.online_softmax_step(t, m_i, l_i, q_scale)
