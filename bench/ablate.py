@@ -172,6 +172,31 @@ ABLATIONS["q_smem_vt_ahead_2_stages"] = ABLATIONS["q_smem"] + [
     ("return 4 if v_in_q and not overlap_pv else 3",
      "return 2 if overlap_pv and not v_in_q else 4 if v_in_q and not overlap_pv else 3"),
 ]
+# The softmax warpgroup refills each slot after handing off its page's P, instead of
+# warpgroup 1 right after its V^T half (where the profile has it waiting ~1.4 us a page for
+# the slot's release, ahead of its own P V). Correct; single steps only (with
+# --paired-softmax nothing would refill the pairs' slots: do not combine).
+ABLATIONS["refill_by_softmax_wg"] = [
+    ("    issues_copies = half == 0\n", "    issues_copies = False\n"),
+    ("    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n",
+     "    for first in range(num_stages):\n"
+     "      @pl.when(first < num_steps)\n"
+     "      def _():\n"
+     "        issue_copies(first, first)\n"
+     "    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n"),
+    ("          hand_off_p(((step, p_q, factor),))\n",
+     "          hand_off_p(((step, p_q, factor),))\n"
+     "          @pl.when(step + num_stages < num_steps)\n"
+     "          def _():\n"
+     "            plgpu.barrier_wait(kv_free.at[slot])\n"
+     "            issue_copies(step + num_stages, slot)\n"),
+    ("    plgpu.wait_smem_to_gmem(0)\n",
+     "    for back in range(num_stages, 0, -1):\n"
+     "      @pl.when(num_steps - back >= 0)\n"
+     "      def _():\n"
+     "        plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])\n"
+     "    plgpu.wait_smem_to_gmem(0)\n"),
+]
 # P's hand-off without its proxy fence and warpgroup barrier (MEMBAR.ALL.CTA, FENCE.VIEW.
 # ASYNC.S, BAR.SYNC in SASS): what the fence costs the chain (results may be wrong).
 ABLATIONS["no_p_fence"] = [
