@@ -46,12 +46,14 @@ case $what in
     fi ;;
   next)  # what the tenth session leaves open (~9.5 min): the paired softmax against
          # the default, why QK does not overlap the softmax (Q's A from SMEM? P's fence?),
-         # refills by the softmax warpgroup, the paired softmax's GPU tests
+         # refills by the softmax warpgroup, traces of the idle variants, the paired
+         # softmax's GPU tests
     timeout 140 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
       --shapes 32,128,1,16384 128,16,1,16384 32,128,2,16384
     timeout 150 bash "$0" ablate --shapes 32,128,1,16384 \
       --only idle_q_smem,idle_no_p_fence,pv_wgs_idle,refill_by_softmax_wg,q_smem,q_smem_vt_ahead_2_stages,no_p_fence,idle_q_smem_qk_serial
-    timeout 60 bash "$0" ablate --paired-softmax --shapes 32,128,1,16384 --only pv_wgs_idle,q_smem
+    # does a second QK lengthen the softmax region (QK holds the warpgroup) or wait_qk only?
+    timeout 75 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem
     paired="seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5"  # cases with pairs and odd pages
     timeout 170 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_schedule_knobs and paired_softmax and ($paired)"
     status=$? ;;

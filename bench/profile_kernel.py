@@ -7,6 +7,11 @@ in SMEM), and prints, per kernel and warpgroup, the mean time per CTA in each re
 of the CTA's span. Differential timing without hardware counters (METHOD.md).
 
   python bench/profile_kernel.py [--batch 32 --heads 128 --context 4096] --out DIR
+  python bench/profile_kernel.py --variants base,pv_wgs_idle,idle_qk_twice --out DIR
+
+``--variants`` traces ``bench/ablate.py``'s variants of the FP8 kernel instead: the regions
+tell which one a change lengthens, e.g. whether a second QK lengthens the softmax region
+(QK holds the warpgroup back) or only ``wait_qk`` (QK runs under the softmax).
 """
 
 from __future__ import annotations
@@ -43,6 +48,20 @@ def summarize(trace_path: str, num_wgs: int = 3):
   return {k: v / num_ctas for k, v in totals.items()}, max(spans)
 
 
+def ablated(name: str, config):
+  """``bench/ablate.py``'s variant ``name`` of the FP8 kernel, called as bench.kernel's rows."""
+  from bench import ablate
+  from bench.kernel import SCALE
+  from snapmla_jax.quant import quantize_query
+  module = ablate.variant(name)
+
+  def f(q, r, c, bt, sl):
+    qc, qs, qr = quantize_query(q, r)
+    return module.mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
+                                 softmax_scale=SCALE, config=config)
+  return f
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--batch", type=int, default=32)
@@ -51,6 +70,8 @@ def main():
   parser.add_argument("--fp8-stages", type=int, default=None,
                       help="ring depth (TuningConfig.num_stages; the kernel's default if unset)")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--variants", default="",
+                      help="comma-separated bench/ablate.py variants of the FP8 kernel")
   args = parser.parse_args()
 
   from bench.kernel import impls, make_inputs
@@ -59,6 +80,8 @@ def main():
   # The trace buffer lives in SMEM, which only the fp8 route's kernels leave room for.
   config = common.TuningConfig(num_stages=args.fp8_stages)
   kernels = {k: v for k, v in impls(config).items() if k in ("fp8-fp8", "fp8-in-order")}
+  if args.variants:
+    kernels = {name: ("fp8", ablated(name, config)) for name in args.variants.split(",")}
   row_tiles = common.num_row_tiles(1, args.heads)
   pages = args.context // common.PAGE_SIZE
   steps = pages / split_count(args.batch, row_tiles, pages, config, "fp8")
