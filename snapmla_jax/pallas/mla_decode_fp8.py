@@ -10,8 +10,8 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   ``l`` over the unquantized exponentials); scale-fused ``P' = P * scale_k``, quantized
   to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into one of
   two SMEM buffers. It issues page ``i + 1``'s QK before the softmax of page ``i``, meant
-  to run the next QK under this page's softmax (on an H100 it does not: waiting for that QK
-  first costs nothing, RESULTS.md). With ``TuningConfig.paired_softmax`` it takes the pages
+  to run the next QK under this page's softmax (on an H100 QK's whole time stays on the
+  chain all the same, RESULTS.md). With ``TuningConfig.paired_softmax`` it takes the pages
   every row sees in full two at a time instead: both QKs, one online-softmax step over 128
   tokens (``P_q`` is the same up to f32 rounding: a row's scale cancels in ``P' / sigma``),
   ``P'`` quantized per page, one SMEM fence and hand-off per pair, three P buffers.
@@ -356,8 +356,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     def pair_step_fn(pair, carry):
       """Pages ``2 pair`` and ``2 pair + 1`` (both seen in full by every row): both QKs,
       one online-softmax step over their 128 tokens, ``P'`` quantized per page, one hand-off.
-      QK is not issued a page ahead here: on Hopper the softmax warpgroup's QK did not
-      overlap its softmax anyway (RESULTS.md, tenth session)."""
+      QK is not issued a page ahead here (its registers hold the second page): issued ahead,
+      its whole time stayed on the chain all the same (H100, RESULTS.md, tenth session)."""
       m_i, l_i, sigma_i = carry
       steps = (2 * pair, 2 * pair + 1)
 
