@@ -54,3 +54,15 @@ def test_device_check_script_parses():
   """A syntax error in the device script would cost a device call to find."""
   script = pathlib.Path(__file__).parent.parent / "bench" / "device_check.sh"
   subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_profile_variants_lower_for_cuda(monkeypatch):
+  """``profile_kernel.py --variants`` calls ablate's variants as bench rows: they trace and
+  lower (a broken one would cost a device call to find)."""
+  from bench import kernel, profile_kernel
+  from snapmla_jax.pallas import common
+  monkeypatch.setattr(common, "check_platform", lambda interpret: None)
+  q, r, caches, bt, sl = kernel.make_inputs(1, 64, 1, 256, {"fp8"})
+  f = profile_kernel.ablated("idle_qk_twice", common.TuningConfig())
+  hlo = jax.jit(f).trace(q, r, caches["fp8"], bt, sl).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in hlo.as_text()
