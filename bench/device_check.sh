@@ -53,9 +53,9 @@ case $what in
     timeout 150 bash "$0" ablate --shapes 32,128,1,16384 \
       --only idle_q_smem,idle_no_p_fence,pv_wgs_idle,refill_by_softmax_wg,q_smem,q_smem_vt_ahead_2_stages,no_p_fence,idle_q_smem_qk_serial
     # does a second QK lengthen the softmax region (QK holds the warpgroup) or wait_qk only?
-    timeout 75 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem
+    timeout 90 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem
     paired="seq_lens2 or seq_lens3 or seq_lens4 or seq_lens5"  # cases with pairs and odd pages
-    timeout 170 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_schedule_knobs and paired_softmax and ($paired)"
+    timeout 155 bash "$0" tests tests/test_pallas_fp8.py -k "gpu_schedule_knobs and paired_softmax and ($paired)"
     status=$? ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
