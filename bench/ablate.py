@@ -188,6 +188,7 @@ ABLATIONS["refill_by_softmax_wg"] = [
      "          hand_off_p(((step, p_q, factor),))\n"
      "          @pl.when(step + num_stages < num_steps)\n"
      "          def _():\n"
+     "            slot = lax.rem(step, num_stages)\n"
      "            plgpu.barrier_wait(kv_free.at[slot])\n"
      "            issue_copies(step + num_stages, slot)\n"),
     ("    plgpu.wait_smem_to_gmem(0)\n",
@@ -225,6 +226,18 @@ def variant(name: str):
   return module
 
 
+def variant_decode(name: str, config, pv: str = "fp8"):
+  """``f(q_content, q_scale, q_rope, fp8 cache, block_table, seq_lens)``: the FP8 decode of
+  variant ``name`` at the benchmark's softmax scale."""
+  from bench.kernel import SCALE
+  module = variant(name)
+
+  def f(qc, qs, qr, c, bt, sl):
+    return module.mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
+                                 softmax_scale=SCALE, pv=pv, config=config)
+  return f
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--shapes", nargs="*", default=["32,128,1,16384", "128,16,1,16384"],
@@ -240,7 +253,7 @@ def main():
   parser.add_argument("--paired-softmax", action="store_true",
                       help="TuningConfig.paired_softmax")
   args = parser.parse_args()
-  from bench.kernel import SCALE, make_inputs, measure
+  from bench.kernel import make_inputs, measure
 
   chosen = args.only.split(",") if args.only else ABLATIONS
   names = ["base"] + [n for n in chosen if n and n != "base"]
@@ -262,10 +275,7 @@ def main():
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None
     for name in names:
-      module = variant(name)
-      f = lambda qc, qs, qr, c, bt, sl, m=module: m.mla_decode_fp8(
-          qc, qs, qr, c.content, c.scale, c.rope, bt, sl, softmax_scale=SCALE, pv=args.pv,
-          config=config)
+      f = variant_decode(name, config, args.pv)
       try:
         t = measure(f, qc, qs, qr, c, bt, sl) * 1e6
       except Exception as e:  # noqa: BLE001 - report and go on

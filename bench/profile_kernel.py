@@ -51,15 +51,9 @@ def summarize(trace_path: str, num_wgs: int = 3):
 def ablated(name: str, config):
   """``bench/ablate.py``'s variant ``name`` of the FP8 kernel, called as bench.kernel's rows."""
   from bench import ablate
-  from bench.kernel import SCALE
   from snapmla_jax.quant import quantize_query
-  module = ablate.variant(name)
-
-  def f(q, r, c, bt, sl):
-    qc, qs, qr = quantize_query(q, r)
-    return module.mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
-                                 softmax_scale=SCALE, config=config)
-  return f
+  decode = ablate.variant_decode(name, config)
+  return lambda q, r, c, bt, sl: decode(*quantize_query(q, r), c, bt, sl)
 
 
 def main():

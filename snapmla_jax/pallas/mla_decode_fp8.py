@@ -267,10 +267,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool,
-            promote_pv: bool, paired: bool, pair_axis: str | None):
+            promote_pv: bool, paired: bool, p_buffers: int, pair_axis: str | None):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
-  p_buffers = PAIRED_P_BUFFERS if paired else P_BUFFERS
   wg = lax.axis_index("wg")
   # v_smem[half]: each P V warpgroup's half of V (f16) or V^T (fp8); with ``overlap_pv``
   # two of them, ``[page parity]``. V^T lives in the SMEM of Q's content when the softmax
@@ -392,7 +391,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       units too and ``p = exp2(t * q_scale - m * q_scale)`` is one multiply and one FMA per
       element. ``masked``: the page holds tokens some row may not see (the last pages)."""
       s, m_i, l_i, sigma_i = carry
-      slot = lax.rem(step, num_stages)
       first_token = (first_page + step) * PAGE_SIZE
 
       def softmax_under_next_qk(s_next_ref):
@@ -580,11 +578,12 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
     raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {_OVERLAP_PV_MAX_STAGES} "
                      f"stages, got config.num_stages={stages}")
   stages = stages or default_stages(pv_impl, v_in_q=v_in_q, overlap_pv=overlap_pv)
+  p_buffers = PAIRED_P_BUFFERS if paired else P_BUFFERS
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      overlap_pv=overlap_pv, promote_pv=promote_pv, paired=paired, pair_axis=pair_axis)
-  p_buffers = PAIRED_P_BUFFERS if paired else P_BUFFERS
+      overlap_pv=overlap_pv, promote_pv=promote_pv, paired=paired, p_buffers=p_buffers,
+      pair_axis=pair_axis)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=p_buffers,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
