@@ -82,14 +82,16 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          issue_qk(step + 1, s_next_ref)\n"
          "        with jax.named_scope(\"softmax\"):\n",
          "        with jax.named_scope(\"softmax\"):\n"),
-        ("        with jax.named_scope(\"store_p\"):\n",
+        ("        with jax.named_scope(\"store_p\"):\n"
+         "          hand_off_p(((step, p_q, factor),))\n",
          "        @pl.when(step + 1 < num_steps)\n"
          "        def _():\n"
          "          issue_qk(step + 1, s_next_ref)\n"
-         "        with jax.named_scope(\"store_p\"):\n"),
+         "        with jax.named_scope(\"store_p\"):\n"
+         "          hand_off_p(((step, p_q, factor),))\n"),
     ],
     "no_pv": [
-        ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)\n",
+        ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), p_q, v)\n",
          "        acc = acc * common.row_broadcast(factor, acc.shape)\n"),
     ],
     # With --promote-pv: the chunks of the page's product in f32 (accumulate_pv_fp8)
