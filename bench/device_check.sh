@@ -44,19 +44,20 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # what the tenth session leaves open (~9.5 min): the paired softmax against
-         # the default, why QK does not overlap the softmax (Q's A from SMEM? P's fence?),
-         # refills by the softmax warpgroup, traces of the idle variants, the paired
-         # softmax's GPU tests
+  next)  # what the tenth session left open, most telling first (~9.5 min; a call cut
+         # short still brings back the parts done): the P V warpgroups quantizing P and the
+         # paired softmax against the default, their GPU tests (and the default's, refactored),
+         # why QK does not overlap the softmax (Q's A from SMEM? P's fence?), refills by the
+         # softmax warpgroup, traces of the idle variants
     timeout 170 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired-in-order \
       --shapes 32,128,1,16384 128,16,1,16384 32,128,2,16384
+    grid="seq_lens3 or seq_lens4"  # pairs, odd and partial pages, s_q = 2, h128
+    timeout 150 bash "$0" tests tests/test_pallas_fp8.py -k "(gpu_schedule_knobs and (paired_softmax or pv_quantizes_p) and ($grid)) or (gpu_vs_emulation and fp8-softmax_wg and ($grid))"
+    status=$?
     timeout 120 bash "$0" ablate --shapes 32,128,1,16384 \
       --only idle_q_smem,idle_no_p_fence,pv_wgs_idle,refill_by_softmax_wg,no_p_fence,idle_q_smem_qk_serial
     # does a second QK lengthen the softmax region (QK holds the warpgroup) or wait_qk only?
-    timeout 80 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem
-    grid="seq_lens3 or seq_lens4"  # pairs, odd and partial pages, s_q = 2, h128
-    timeout 150 bash "$0" tests tests/test_pallas_fp8.py -k "(gpu_schedule_knobs and (paired_softmax or pv_quantizes_p) and ($grid)) or (gpu_vs_emulation and fp8-softmax_wg and ($grid))"
-    status=$? ;;
+    timeout 80 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
