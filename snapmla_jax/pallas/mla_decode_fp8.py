@@ -14,13 +14,18 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   chain all the same, RESULTS.md). With ``TuningConfig.paired_softmax`` it takes the pages
   every row sees in full two at a time instead: both QKs, one online-softmax step over 128
   tokens (``P_q`` is the same up to f32 rounding: a row's scale cancels in ``P' / sigma``),
-  ``P'`` quantized per page, one SMEM fence and hand-off per pair, three P buffers.
+  ``P'`` quantized per page, one SMEM fence and hand-off per pair, three P buffers. With
+  ``TuningConfig.pv_quantizes_p`` it hands off ``P`` itself (f16, in [0, 1]), ``alpha``
+  and the page's token scales (zeroed past ``seq_len``), and the P V warpgroups quantize.
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
   ``acc <- acc * factor + P_q V``. On a GPU (``TuningConfig.overlap_pv``, on by default
   for ``pv="fp8"``) each prepares page i + 1 (into the other of two V^T buffers) before
   waiting for page i's ``P_q``: pages are released at the ring's pace instead of the
   softmax's, and the wait for ``P_q`` is spent building V^T (6-7% faster compute-bound).
+  With ``pv_quantizes_p`` each computes ``P'``, its scale and ``P_q`` (into a buffer of
+  its own) from the f16 ``P``, releasing the shared buffer as soon as it is read; both
+  compute the same sigma, and the last factor ``1 / l`` meets its own.
 
 The FP8 wgmma adds into its accumulator with ~14 bits: accumulated in place, ``P V``'s
 error grows with the pages a CTA visits (rel. L2 against the emulation 3.4e-3 at 64 pages,
