@@ -57,7 +57,8 @@ case $what in
     timeout 120 bash "$0" ablate --shapes 32,128,1,16384 \
       --only idle_q_smem,idle_no_p_fence,pv_wgs_idle,refill_by_softmax_wg,no_p_fence,idle_q_smem_qk_serial
     # does a second QK lengthen the softmax region (QK holds the warpgroup) or wait_qk only?
-    timeout 80 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem ;;
+    timeout 80 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem
+    timeout 50 bash "$0" sass --only fp8-fp8,fp8-pvq,fp8-paired-pvq ;;  # registers, spills
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
