@@ -82,16 +82,14 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          issue_qk(step + 1, s_next_ref)\n"
          "        with jax.named_scope(\"softmax\"):\n",
          "        with jax.named_scope(\"softmax\"):\n"),
-        ("        with jax.named_scope(\"store_p\"):\n"
-         "          hand_off_p(((step, p_q, factor),))\n",
+        ("        with jax.named_scope(\"store_p\"):\n",
          "        @pl.when(step + 1 < num_steps)\n"
          "        def _():\n"
          "          issue_qk(step + 1, s_next_ref)\n"
-         "        with jax.named_scope(\"store_p\"):\n"
-         "          hand_off_p(((step, p_q, factor),))\n"),
+         "        with jax.named_scope(\"store_p\"):\n"),
     ],
     "no_pv": [
-        ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), p_q, v)\n",
+        ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)\n",
          "        acc = acc * common.row_broadcast(factor, acc.shape)\n"),
     ],
     # With --promote-pv: the chunks of the page's product in f32 (accumulate_pv_fp8)
@@ -174,36 +172,11 @@ ABLATIONS["q_smem_vt_ahead_2_stages"] = ABLATIONS["q_smem"] + [
     ("return 4 if v_in_q and not overlap_pv else 3",
      "return 2 if overlap_pv and not v_in_q else 4 if v_in_q and not overlap_pv else 3"),
 ]
-# The softmax warpgroup refills each slot after handing off its page's P, instead of
-# warpgroup 1 right after its V^T half (where the profile has it waiting ~1.4 us a page for
-# the slot's release, ahead of its own P V). Correct; single steps only (with
-# --paired-softmax nothing would refill the pairs' slots: do not combine).
-ABLATIONS["refill_by_softmax_wg"] = [
-    ("    issues_copies = half == 0\n", "    issues_copies = False\n"),
-    ("    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n",
-     "    for first in range(num_stages):\n"
-     "      @pl.when(first < num_steps)\n"
-     "      def _():\n"
-     "        issue_copies(first, first)\n"
-     "    q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2\n"),
-    ("          hand_off_p(((step, p_q, factor),))\n",
-     "          hand_off_p(((step, p_q, factor),))\n"
-     "          @pl.when(step + num_stages < num_steps)\n"
-     "          def _():\n"
-     "            slot = lax.rem(step, num_stages)\n"
-     "            plgpu.barrier_wait(kv_free.at[slot])\n"
-     "            issue_copies(step + num_stages, slot)\n"),
-    ("    plgpu.wait_smem_to_gmem(0)\n",
-     "    for back in range(num_stages, 0, -1):\n"
-     "      @pl.when(num_steps - back >= 0)\n"
-     "      def _():\n"
-     "        plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])\n"
-     "    plgpu.wait_smem_to_gmem(0)\n"),
-]
 # P's hand-off without its proxy fence and warpgroup barrier (MEMBAR.ALL.CTA, FENCE.VIEW.
 # ASYNC.S, BAR.SYNC in SASS): what the fence costs the chain (results may be wrong).
 ABLATIONS["no_p_fence"] = [
-    ("      plgpu.commit_smem()\n      for buf in bufs:\n", "      for buf in bufs:\n")]
+    ("      factor_smem.at[buf][...] = factor\n      plgpu.commit_smem()\n",
+     "      factor_smem.at[buf][...] = factor\n")]
 ABLATIONS["idle_no_p_fence"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_p_fence"]
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.
 ABLATIONS["idle_skeleton"] = ABLATIONS["idle_no_softmax"] + ABLATIONS["no_rope_qk"] + [
@@ -252,8 +225,6 @@ def main():
                       help="TuningConfig(overlap_pv=False): V^T built after the previous P V")
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
-  parser.add_argument("--paired-softmax", action="store_true",
-                      help="TuningConfig.paired_softmax")
   args = parser.parse_args()
   from bench.kernel import make_inputs, measure
 
@@ -269,8 +240,7 @@ def main():
     row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
     config = mla_decode_fp8.common.TuningConfig(
         num_splits=args.splits, overlap_pv=False if args.in_order_pv else None,
-        promote_pv=args.promote_pv, multicast=args.multicast,
-        paired_softmax=args.paired_softmax)
+        promote_pv=args.promote_pv, multicast=args.multicast)
     # the unchanged kernel's splits (no_split_cap's differ: its per-step figure is off)
     splits = mla_decode_fp8.split_count(batch, row_tiles, context // 64, config, args.pv)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)

@@ -44,30 +44,25 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # what the tenth session left open, most telling first (~9.5 min; a call cut
-         # short still brings back the parts done): the P V warpgroups quantizing P and the
-         # paired softmax against the default, their GPU tests (and the default's, refactored),
-         # why QK does not overlap the softmax (Q's A from SMEM? P's fence?), refills by the
-         # softmax warpgroup, traces of the idle variants
-    timeout 130 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired-in-order \
-      --shapes 32,128,1,16384 128,16,1,16384
-    grid="seq_lens3 or seq_lens4"  # pairs, odd and partial pages, s_q = 2, h128
-    timeout 150 bash "$0" tests tests/test_pallas_fp8.py -k "(gpu_schedule_knobs and (paired_softmax or pv_quantizes_p) and ($grid)) or (gpu_vs_emulation and fp8-softmax_wg and ($grid))"
+  next)  # what the eleventh session leaves open (~9 min): Q's A operand from SMEM in the
+         # whole kernel (faster with the P V warpgroups idle, H100), the default FP8 path's
+         # GPU tests after the knobs' removal, the compute- and memory-bound rows (XLA too)
+    timeout 150 bash "$0" ablate --shapes 32,128,1,16384 \
+      --only q_smem,q_smem_vt_ahead_2_stages,idle_q_smem,pv_wgs_idle
+    timeout 150 bash "$0" tests tests/test_pallas_fp8.py \
+      -k "gpu_vs_emulation and fp8-softmax_wg and (seq_lens3 or seq_lens4 or seq_lens5)"
     status=$?
-    timeout 120 bash "$0" ablate --shapes 32,128,1,16384 \
-      --only idle_q_smem,idle_no_p_fence,pv_wgs_idle,refill_by_softmax_wg,no_p_fence,idle_q_smem_qk_serial
-    # does a second QK lengthen the softmax region (QK holds the warpgroup) or wait_qk only?
-    timeout 80 bash "$0" profile --variants pv_wgs_idle,idle_qk_twice,idle_q_smem
-    timeout 50 bash "$0" sass --only fp8-fp8,fp8-pvq,fp8-paired-pvq ;;  # registers, spills
+    timeout 220 bash "$0" bench --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
+      --shapes 32,128,1,16384 128,16,1,16384 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired,fp8-paired-in-order,fp8-pvq,fp8-paired-pvq
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-paired,fp8-paired-in-order,fp8-pvq,fp8-paired-pvq \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;

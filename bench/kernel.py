@@ -89,12 +89,6 @@ def impls(fp8_config=None):
       "fp8-promoted": ("fp8", fp8("fp8", promote_pv=True)),
       "fp8-multicast": ("fp8", fp8("fp8", multicast=True)),
       "fp8-seesaw": ("fp8", fp8("fp8", "seesaw")),
-      "fp8-paired": ("fp8", fp8("fp8", paired_softmax=True)),
-      # paired, V^T built in order: the SMEM of V^T's second buffer gives a 4th stage
-      "fp8-paired-in-order": ("fp8", fp8("fp8", paired_softmax=True, overlap_pv=False)),
-      # the P V warpgroups quantize P' (TuningConfig.pv_quantizes_p), alone and with pairs
-      "fp8-pvq": ("fp8", fp8("fp8", pv_quantizes_p=True)),
-      "fp8-paired-pvq": ("fp8", fp8("fp8", paired_softmax=True, pv_quantizes_p=True)),
       "xla-bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode(
           q, r, c, bt, sl, softmax_scale=SCALE, impl="xla")),
   }

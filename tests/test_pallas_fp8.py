@@ -98,37 +98,6 @@ def test_interpret_two_row_tiles_not_causal_zero_tokens(schedule):
   run_and_check(case, s_q=2, causal=False, schedule=schedule, interpret=True)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("seq_lens,s_q,heads,splits,stages", [
-    ([640, 200], 1, 16, 1, None),   # 10 full pages: 5 pairs; 4 pages: 1 pair + a partial
-    ([300, 64], 2, 48, 1, 2),       # 4 full pages + a partial (s_q = 2) through a 2-slot ring
-    ([1, 450], 2, 16, 2, None),     # seq_len 1; splits of 4 and 4 pages, the last partial
-])
-def test_interpret_paired_softmax(seq_lens, s_q, heads, splits, stages):
-  """``TuningConfig(paired_softmax=True)``: pairs of full pages, then single steps (an odd
-  full page, the partial last ones); per-page P scales as the emulation's."""
-  case = make_case(2, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",))
-  config = TuningConfig(num_stages=stages, num_splits=splits, paired_softmax=True)
-  run_and_check(case, s_q=s_q, config=config, interpret=True)
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("paired", [False, True])
-@pytest.mark.parametrize("seq_lens,s_q,heads,splits,stages", [
-    ([100, 3], 2, 16, None, None),  # partial pages with NaN tails, s_q = 2 causal
-    ([640, 200], 1, 16, 1, None),   # pairs, an odd full page, a partial one
-    ([300, 64], 2, 48, 1, 2),       # 4 full pages + a partial (s_q = 2), a 2-slot ring
-])
-def test_interpret_pv_quantizes_p(seq_lens, s_q, heads, splits, stages, paired):
-  """``TuningConfig(pv_quantizes_p=True)``: each P V warpgroup quantizes ``P'`` from the
-  f16 ``P`` and token scales handed off (NaN scales past ``seq_len`` zeroed), alone and
-  with the paired softmax."""
-  case = make_case(3, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",))
-  config = TuningConfig(num_stages=stages, num_splits=splits, paired_softmax=paired,
-                        pv_quantizes_p=True)
-  run_and_check(case, s_q=s_q, config=config, interpret=True)
-
-
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""
@@ -227,20 +196,6 @@ def test_in_order_pv_lowers_for_cuda():  # overlap_pv is the default on hardware
     lower(32, 1, 128, 16384, "fp8", config=TuningConfig(num_stages=4, overlap_pv=True))
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("overlap_pv", [None, False])  # V^T ahead (3 stages) or in order (4)
-def test_paired_softmax_lowers_for_cuda(overlap_pv):
-  config = TuningConfig(paired_softmax=True, overlap_pv=overlap_pv)
-  assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8", config=config)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("paired", [False, True])
-def test_pv_quantizes_p_lowers_for_cuda(paired):
-  config = TuningConfig(pv_quantizes_p=True, paired_softmax=paired)
-  assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=config)
-
-
 def test_seesaw_lowers_for_cuda():  # one shape: its lowering takes ~20 s on CI's CPU
   assert "mosaic_gpu" in lower(128, 2, 16, 65536, "fp8", "seesaw")
 
@@ -270,10 +225,6 @@ def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match="does not multicast"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
          config=TuningConfig(multicast=True))
-  for knob in ("paired_softmax", "pv_quantizes_p"):
-    with pytest.raises(ValueError, match=f"{knob} needs schedule='softmax_wg'"):
-      call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
-           config=TuningConfig(**{knob: True}))
   with pytest.raises(ValueError, match="promote_pv needs pv='fp8'"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="f16",
          config=TuningConfig(promote_pv=True))
@@ -296,9 +247,7 @@ def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv, schedule):
         f"vs_fp32={ref_err:.2e}")
 
 
-SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False), "paired_softmax": dict(paired_softmax=True),
-                  "pv_quantizes_p": dict(pv_quantizes_p=True),
-                  "paired_pv_quantizes_p": dict(paired_softmax=True, pv_quantizes_p=True)}
+SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False)}
 
 
 @pytest.mark.gpu
@@ -306,9 +255,7 @@ SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False), "paired_softmax": dict(
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
 def test_gpu_schedule_knobs(batch, s_q, heads, seq_lens, knob):
   """The hardware path off its default schedule (``test_gpu_vs_emulation`` runs that):
-  ``overlap_pv=False`` (one V^T buffer, each page's built after the previous page's P V)
-  ``paired_softmax`` (the softmax warpgroup takes full pages two at a time) and
-  ``pv_quantizes_p`` (the P V warpgroups quantize ``P'``), alone and together."""
+  ``overlap_pv=False`` (one V^T buffer, each page's built after the previous page's P V)."""
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
   for splits in (None, 3):

@@ -68,23 +68,12 @@ class TuningConfig:
     multicast: (both kernels) pair the CTAs of consecutive row tiles of a sequence in a
       cluster of two that copies each page once from L2 and multicasts it into both
       CTAs' rings, halving the L2 -> SM traffic; only where the row tiles are even.
-    paired_softmax: (FP8 kernel, ``schedule="softmax_wg"``) the softmax warpgroup takes
-      the pages every row sees in full two at a time: both QKs, one online-softmax step
-      over 128 tokens, ``P'`` still quantized per page, one hand-off (fence and barrier)
-      per pair; a third P buffer.
-    pv_quantizes_p: (FP8 kernel, ``schedule="softmax_wg"``) the P V warpgroups quantize
-      ``P'`` themselves: the softmax warpgroup hands off ``P`` (f16, in [0, 1]), the row
-      factor ``alpha`` and the page's token scales, and each P V warpgroup computes
-      ``P' = P * scale_k``, its per-(row, page) scale and ``P_q`` into a buffer of its own,
-      which takes the quantization off the softmax warpgroup's chain.
   """
   num_stages: int | None = None
   num_splits: int | None = None
   overlap_pv: bool | None = None
   promote_pv: bool = False
   multicast: bool = False
-  paired_softmax: bool = False
-  pv_quantizes_p: bool = False
 
   def __post_init__(self):
     if self.num_stages is not None and self.num_stages < 2:

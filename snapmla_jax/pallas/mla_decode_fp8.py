@@ -11,21 +11,15 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   to E4M3 with one scale ``sigma`` per (row, page); ``P_q`` and the row factor into one of
   two SMEM buffers. It issues page ``i + 1``'s QK before the softmax of page ``i``, meant
   to run the next QK under this page's softmax (on an H100 QK's whole time stays on the
-  chain all the same, RESULTS.md). With ``TuningConfig.paired_softmax`` it takes the pages
-  every row sees in full two at a time instead: both QKs, one online-softmax step over 128
-  tokens (``P_q`` is the same up to f32 rounding: a row's scale cancels in ``P' / sigma``),
-  ``P'`` quantized per page, one SMEM fence and hand-off per pair, three P buffers. With
-  ``TuningConfig.pv_quantizes_p`` it hands off ``P`` itself (f16, in [0, 1]), ``alpha``
-  and the page's token scales (zeroed past ``seq_len``), and the P V warpgroups quantize.
+  chain all the same, RESULTS.md). Taking full pages two at a time (one online-softmax
+  step per pair) and handing ``P`` to the P V warpgroups to quantize were both slower
+  (RESULTS.md, eleventh session).
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
   ``acc <- acc * factor + P_q V``. On a GPU (``TuningConfig.overlap_pv``, on by default
   for ``pv="fp8"``) each prepares page i + 1 (into the other of two V^T buffers) before
   waiting for page i's ``P_q``: pages are released at the ring's pace instead of the
   softmax's, and the wait for ``P_q`` is spent building V^T (6-7% faster compute-bound).
-  With ``pv_quantizes_p`` each computes ``P'``, its scale and ``P_q`` (into a buffer of
-  its own) from the f16 ``P``, releasing the shared buffer as soon as it is read; both
-  compute the same sigma, and the last factor ``1 / l`` meets its own.
 
 The FP8 wgmma adds into its accumulator with ~14 bits: accumulated in place, ``P V``'s
 error grows with the pages a CTA visits (rel. L2 against the emulation 3.4e-3 at 64 pages,
@@ -105,8 +99,6 @@ _HALF_PAGE = PAGE_SIZE // 2
 SOFTMAX_WG = 0
 PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
 P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
-PAIRED_P_BUFFERS = 3       # paired softmax: a pair is stored while P V reads the last page
-QK_WGMMA_GROUPS = 2        # a page's QK: the content and RoPE wgmma, a commit group each
 PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
 FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (_decode)
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
@@ -268,12 +260,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             lens_ref,                                            # inputs (GMEM)
             out_ref, lse_ref,                                    # outputs (GMEM)
             qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v_smem, p_smem,
-            factor_smem, lse_smem, pv_quant_smem,                # SMEM
+            factor_smem, lse_smem,                               # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool,
-            promote_pv: bool, paired: bool, pv_quantizes_p: bool, p_buffers: int,
-            pair_axis: str | None):
+            promote_pv: bool, pair_axis: str | None):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
@@ -282,24 +273,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   # warpgroup holds Q in registers (``v_in_q``).
   v_in_q = q_in_registers and pv_impl == "fp8"
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
-    kc_smem, kc16_smem = kc_smem
-    if not pv_quantizes_p:
-      p_smem, p16_smem = p_smem
+    (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
     if v_in_q:
       qc_smem, v_smem, vt16_smem = qc_smem
     else:
       v_smem, vt16_smem = zip(*v_smem)
-  if pv_quantizes_p:
-    # p_smem: f16 P handed off; its tokens' scales; each P V warpgroup's own P_q buffer
-    token_scale_smem, own_p_smem = pv_quant_smem
-    if pv_impl == "fp8":
-      own_p_smem, own_p16_smem = zip(*own_p_smem)
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
-
-  def col_broadcast(cols):
-    """``[64 tokens]`` -> ``[64 rows, 64 tokens]``, each row repeating them."""
-    return lax.broadcast_in_dim(cols, (QUERY_TILE, PAGE_SIZE), [1])
 
   def kv_bar(slot, which):
     return kv_ready.at[slot * 3 + which]
@@ -340,85 +320,33 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)
       plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
 
-    def first_scores(first, s_ref):
-      @pl.when(first < num_steps)
+    def first_scores(s_ref):
+      @pl.when(num_steps > 0)
       def _():
-        issue_qk(first, s_ref)
+        issue_qk(0, s_ref)
       return s_ref[...]
 
     def page_scale(step):
-      """Page ``step``'s per-token scales ``[64]``; then releases its slot (its QK is done:
-      the caller holds S)."""
+      """Page ``step``'s per-token scales broadcast over ``[64 rows, 64 tokens]``; then
+      releases its slot (its QK is done: the caller holds S)."""
       slot = lax.rem(step, num_stages)
       plgpu.barrier_wait(kv_bar(slot, _SCALE))
       k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
       plgpu.barrier_arrive(kv_free.at[slot])
-      return k_scale
+      return lax.broadcast_in_dim(k_scale, (QUERY_TILE, PAGE_SIZE), [1])
 
-    def hand_off_p(pages):
-      """Stores each page's ``(step, P_q, factor)`` into its P buffer (once both P V
-      warpgroups are done with the page ``p_buffers`` earlier) behind one SMEM fence; with
-      ``pv_quantizes_p`` ``(step, P, alpha, token scales)``, tokens past ``seq_len``
-      scaled by 0 (their scales may be NaN)."""
-      bufs = [lax.rem(page[0], p_buffers) for page in pages]
-      for (step, p, factor, *token_scales), buf in zip(pages, bufs):
-        @pl.when(step >= p_buffers)
-        def _():
-          plgpu.barrier_wait(p_free.at[buf])
-        if pv_quantizes_p:
-          p_smem.at[buf][...] = p.astype(jnp.float16)
-          token_scale_smem.at[buf][...] = token_scales[0]
-        else:
-          store_p(p, buf)
-        factor_smem.at[buf][...] = factor
+    def hand_off_p(step, p_q, factor):
+      """Stores page ``step``'s ``P_q`` and row factor into its P buffer (once both P V
+      warpgroups are done with the page ``P_BUFFERS`` earlier) behind an SMEM fence."""
+      buf = lax.rem(step, P_BUFFERS)
+
+      @pl.when(step >= P_BUFFERS)
+      def _():
+        plgpu.barrier_wait(p_free.at[buf])
+      store_p(p_q, buf)
+      factor_smem.at[buf][...] = factor
       plgpu.commit_smem()
-      for buf in bufs:
-        plgpu.barrier_arrive(p_ready.at[buf])
-
-    def seen_token_scales(k_scale, first_token):
-      """``k_scale`` (``[64]``) with the tokens ``>= seq_len`` zeroed."""
-      token = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE,), 0, layout=col_layout)
-      return jnp.where(token + first_token < seq_len, k_scale, 0.0)
-
-    def pair_step_fn(pair, carry):
-      """Pages ``2 pair`` and ``2 pair + 1`` (both seen in full by every row): both QKs,
-      one online-softmax step over their 128 tokens, ``P'`` quantized per page, one hand-off.
-      QK is not issued a page ahead here (its registers hold the second page): issued ahead,
-      its whole time stayed on the chain all the same (H100, RESULTS.md, tenth session)."""
-      m_i, l_i, sigma_i = carry
-      steps = (2 * pair, 2 * pair + 1)
-
-      def both_scores(s_a_ref, s_b_ref):
-        """Both pages' S and scales; the first page's slot is released while the second
-        page's QK runs (its wgmma groups may still be pending)."""
-        for step, s_ref in zip(steps, (s_a_ref, s_b_ref)):
-          issue_qk(step, s_ref)
-        with jax.named_scope("wait_qk"):
-          s_a = plgpu.wgmma_accumulator_load(s_a_ref, wait_n=QK_WGMMA_GROUPS)
-        k_a = page_scale(steps[0])
-        with jax.named_scope("wait_qk"):
-          s_b = s_b_ref[...]
-        return (s_a, s_b), (k_a, page_scale(steps[1]))
-
-      acc = plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)
-      scores, token_scales = pl.run_scoped(both_scores, acc, acc)
-      k_scales = [col_broadcast(k) for k in token_scales]
-      with jax.named_scope("softmax"):
-        t = jnp.concatenate([s * k for s, k in zip(scores, k_scales)], axis=1)
-        m_new, alpha, p, l_new = common.online_softmax_step(t, m_i, l_i, q_scale)
-      if pv_quantizes_p:  # the second page's P is in the first page's units: alpha = 1
-        with jax.named_scope("store_p"):
-          hand_off_p(((steps[0], p[:, :PAGE_SIZE], alpha, token_scales[0]),
-                      (steps[1], p[:, PAGE_SIZE:], common.zero_rows(QUERY_TILE, 1.0),
-                       token_scales[1])))
-        return m_new, l_new, sigma_i
-      with jax.named_scope("quantize_p"):
-        sigma_a, inv_a, p_q_a = quantize_p_tile(p[:, :PAGE_SIZE] * k_scales[0], sigma_i)
-        sigma_b, inv_b, p_q_b = quantize_p_tile(p[:, PAGE_SIZE:] * k_scales[1], sigma_a)
-      with jax.named_scope("store_p"):
-        hand_off_p(((steps[0], p_q_a, alpha * sigma_i * inv_a),
-                    (steps[1], p_q_b, sigma_a * inv_b)))
-      return m_new, l_new, sigma_b
+      plgpu.barrier_arrive(p_ready.at[buf])
 
     def step_fn(step, carry, *, masked: bool):
       """One page. Logits stay in units of ``t = S * scale_k`` (the true logit, in the exp2
@@ -431,8 +359,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       def softmax_under_next_qk(s_next_ref):
         # This page's QK is done (``s``): read its scales and release its slot before
         # waiting for the next page, so that the refill does not queue behind its arrival.
-        token_scales = page_scale(step)
-        k_scale = col_broadcast(token_scales)
+        k_scale = page_scale(step)
 
         @pl.when(step + 1 < num_steps)
         def _():
@@ -444,14 +371,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                                                 heads=heads, causal=causal)
           m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,
                                                               visible)
-        if pv_quantizes_p:  # P' is the P V warpgroups' (the carry's sigma is unused)
-          if masked:
-            token_scales = seen_token_scales(token_scales, first_token)
-          with jax.named_scope("store_p"):
-            hand_off_p(((step, p, alpha, token_scales),))
-          with jax.named_scope("wait_qk"):
-            s_next = s_next_ref[...]
-          return s_next, m_new, l_new, sigma_i
         with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
           p_fused = p * k_scale
           if masked:
@@ -459,7 +378,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)
           factor = alpha * sigma_i * inv_sigma
         with jax.named_scope("store_p"):
-          hand_off_p(((step, p_q, factor),))
+          hand_off_p(step, p_q, factor)
         with jax.named_scope("wait_qk"):
           s_next = s_next_ref[...]
         return s_next, m_new, l_new, sigma
@@ -468,38 +387,30 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                            plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
 
     num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    carry = (common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
+    s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+    carry = (s0, common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
              common.zero_rows(QUERY_TILE, 1.0))
-    first_single = 0  # the first page that takes a step of its own
-    if paired:
-      carry = lax.fori_loop(0, num_full // 2, pair_step_fn, carry)
-      first_single = num_full // 2 * 2
-    s0 = pl.run_scoped(functools.partial(first_scores, first_single),
-                       plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-    carry = lax.fori_loop(first_single, num_full, functools.partial(step_fn, masked=False),
-                          (s0, *carry))
+    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
     _, m_i, l_i, sigma_i = lax.fori_loop(num_full, num_steps,
                                          functools.partial(step_fn, masked=True), carry)
     seen = l_i > 0
-    buf = lax.rem(num_steps, p_buffers)
+    buf = lax.rem(num_steps, P_BUFFERS)
 
-    @pl.when(num_steps >= p_buffers)
+    @pl.when(num_steps >= P_BUFFERS)
     def _():
       plgpu.barrier_wait(p_free.at[buf])
-    # The last "step": the P V warpgroups normalize with this factor (times their own
-    # sigma with pv_quantizes_p).
-    out_sigma = 1.0 if pv_quantizes_p else sigma_i
-    factor_smem.at[buf][...] = jnp.where(seen, out_sigma / jnp.where(seen, l_i, 1.0), 0.0)
+    # The last "step": the P V warpgroups normalize with this factor.
+    factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
     lse_smem[...] = jnp.where(
         seen, (m_i * q_scale + jnp.log2(jnp.where(seen, l_i, 1.0))) * common.LN2, -jnp.inf)
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready.at[buf])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
 
-    for back in range(p_buffers - 1, 0, -1):  # observe the last pages' releases: every
+    for back in range(P_BUFFERS - 1, 0, -1):  # observe the last pages' releases: every
       @pl.when(num_steps >= back)             # phase is waited
       def _():
-        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, p_buffers)])
+        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, P_BUFFERS)])
     plgpu.wait_smem_to_gmem(0)
 
   def pv_warpgroup(half: int):
@@ -534,35 +445,23 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
     def wait_p(step):
       """Waits for page ``step``'s ``P_q``; returns its P buffer and rescaling factor."""
-      buf = lax.rem(step, p_buffers)
+      buf = lax.rem(step, P_BUFFERS)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready.at[buf])
       return buf, factor_smem.at[buf][...]
 
-    def quantize_own_p(buf, alpha, sigma_prev):
-      """``pv_quantizes_p``: page's ``P'`` from P buffer ``buf`` (released once read) into
-      this warpgroup's ``P_q`` buffer; returns the page's rescaling factor and sigma."""
-      p = plgpu.load(p_smem.at[buf], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      k_scale = plgpu.load(token_scale_smem.at[buf], layout=col_layout)
-      plgpu.barrier_arrive(p_free.at[buf])
-      sigma, inv_sigma, p_q = quantize_p_tile(p * col_broadcast(k_scale), sigma_prev)
-      store_p_tile(p_q, (own_p_smem if pv_impl == "f16" else own_p16_smem)[half], pv_impl)
-      plgpu.commit_smem()
-      return alpha * sigma_prev * inv_sigma, sigma
-
-    def accumulate(acc, p_q, v):
-      """``acc + P_q V``, P_q in SMEM, V's half (f16) or V^T's (fp8) in ``v``."""
+    def accumulate(acc, buf, v):
+      """``acc + P_q V``, P_q in buffer ``buf``, V's half (f16) or V^T's (fp8) in ``v``."""
       if pv_impl == "fp8" and promote_pv:
-        return accumulate_pv_fp8(acc, p_q, v)
-      return common.accumulate_pv(acc, p_q, v if pv_impl == "f16" else v.T, in_place=in_place)
+        return accumulate_pv_fp8(acc, p_smem.at[buf], v)
+      return common.accumulate_pv(acc, p_smem.at[buf], v if pv_impl == "f16" else v.T,
+                                  in_place=in_place)
 
-    def step_fn(step, carry):
+    def step_fn(step, acc):
       """Page ``step``'s ``P V``, after preparing page ``step`` or, with ``overlap_pv``,
       page ``step + 1`` into the other V^T buffer (page ``step - 1``'s ``P V`` is done
       with it). Building it under page ``step``'s ``P V`` instead, after the wait for its
-      ``P_q``, was 6-7% slower at b32 h128 (H100, RESULTS.md). ``carry``: ``(acc, sigma)``,
-      sigma the latest P scale with ``pv_quantizes_p`` (else None)."""
-      acc, sigma = carry
+      ``P_q``, was 6-7% slower at b32 h128 (H100, RESULTS.md)."""
       if overlap_pv:
         parity = lax.rem(step, 2)
 
@@ -574,38 +473,27 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         prepare_page(step)
         v = v_smem[half]
       buf, factor = wait_p(step)
-      if pv_quantizes_p:
-        with jax.named_scope("quantize_p"):
-          factor, sigma = quantize_own_p(buf, factor, sigma)
-        p_q = own_p_smem[half]
-      else:
-        p_q = p_smem.at[buf]
       with jax.named_scope("pv"):
-        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), p_q, v)
-      if not pv_quantizes_p:
-        plgpu.barrier_arrive(p_free.at[buf])
-      return acc, sigma
+        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)
+      plgpu.barrier_arrive(p_free.at[buf])
+      return acc
 
     acc = common.zero_acc((QUERY_TILE, HALF_DIM))
-    sigma = common.zero_rows(QUERY_TILE, 1.0) if pv_quantizes_p else None
     if v_in_q:
       plgpu.barrier_wait(q_free)
     if overlap_pv:
       @pl.when(num_steps > 0)
       def _():
         prepare_page(0, 0)
-    acc, sigma = lax.fori_loop(0, num_steps, step_fn, (acc, sigma))
+    acc = lax.fori_loop(0, num_steps, step_fn, acc)
     if issues_copies:  # observe the releases of the last pages, which it did not refill
       for back in range(num_stages, 0, -1):
         @pl.when(num_steps - back >= 0)
         def _():
           plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
-    buf = lax.rem(num_steps, p_buffers)
+    buf = lax.rem(num_steps, P_BUFFERS)
     plgpu.barrier_wait(p_ready.at[buf])
-    factor = factor_smem.at[buf][...]
-    if pv_quantizes_p:  # acc is in units of this warpgroup's sigma
-      factor = factor * sigma
-    out = acc * common.row_broadcast(factor, acc.shape)
+    out = acc * common.row_broadcast(factor_smem.at[buf][...], acc.shape)
     out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
 
   pl.when(wg == SOFTMAX_WG)(softmax_warpgroup)
@@ -626,8 +514,7 @@ _OVERLAP_PV_MAX_STAGES = default_stages("fp8", v_in_q=True, overlap_pv=True)
 
 
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       overlap_pv=None, promote_pv=False, paired=False,
-                       pv_quantizes_p=False, pair_axis=None):
+                       overlap_pv=None, promote_pv=False, pair_axis=None):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
@@ -648,20 +535,12 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
     raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {_OVERLAP_PV_MAX_STAGES} "
                      f"stages, got config.num_stages={stages}")
   stages = stages or default_stages(pv_impl, v_in_q=v_in_q, overlap_pv=overlap_pv)
-  # A pair is stored while P V reads the last page, unless P V reads P as it arrives.
-  p_buffers = PAIRED_P_BUFFERS if paired and not pv_quantizes_p else P_BUFFERS
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      overlap_pv=overlap_pv, promote_pv=promote_pv, paired=paired,
-      pv_quantizes_p=pv_quantizes_p, p_buffers=p_buffers, pair_axis=pair_axis)
-  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=p_buffers,
+      overlap_pv=overlap_pv, promote_pv=promote_pv, pair_axis=pair_axis)
+  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
                                     v_pages=2 if overlap_pv else None)
-  pv_quant = ()
-  if pv_quantizes_p:  # P handed off in f16 with its tokens' scales; a P_q buffer per P V wg
-    p_buf = common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), jnp.float16)
-    pv_quant = (plgpu.SMEM((p_buffers, PAGE_SIZE), jnp.float32),
-                tuple(p_q_smem(pv_impl) for _ in PV_WGS))
   q_content, *q_rest = query_smem()
   v_bufs = (v_buf,) * len(PV_WGS)
   if v_in_q:  # groups (e4m3 views of both halves), (u16 views of both halves)
@@ -672,15 +551,14 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       *ring,
       v_bufs,
       p_buf,
-      plgpu.SMEM((p_buffers, QUERY_TILE), jnp.float32),
+      plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
-      pv_quant,
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=3 * stages),
       # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
       common.release_barriers(1 + len(PV_WGS), stages, pair_axis),
-      plgpu.Barrier(num_barriers=p_buffers),
-      plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=p_buffers),
+      plgpu.Barrier(num_barriers=P_BUFFERS),
+      plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
       plgpu.Barrier() if v_in_q else (),  # Q's SMEM is free
   ]
   return kernel, scratch, 1 + len(PV_WGS)
@@ -700,23 +578,17 @@ def operand_smem(pv_impl: PvImpl, *, stages: int, p_buffers: int, v_pages: int |
   content = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
   if pv_impl == "f16":
     v = common.smem((*lead, PAGE_SIZE, HALF_DIM), jnp.float16)
+    p = common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), jnp.float16)
   else:
     content = plgpu.RefUnion(content,
                              common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
     v = plgpu.RefUnion(common.smem((*lead, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
                        common.smem((*lead, HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
+    p = plgpu.RefUnion(common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
+                       common.smem((p_buffers, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
   ring = [content, plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
           common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16)]
-  return ring, v, p_q_smem(pv_impl, p_buffers)
-
-
-def p_q_smem(pv_impl: PvImpl, *lead: int):
-  """P_q buffers ``[*lead, 64, 64]``: f16 (``pv="f16"``) or a ``RefUnion`` of e4m3 and u16
-  ``[*lead, 64, 32]`` views of the same bytes (``pv="fp8"``, ``store_p_tile``)."""
-  if pv_impl == "f16":
-    return common.smem((*lead, QUERY_TILE, PAGE_SIZE), jnp.float16)
-  return plgpu.RefUnion(common.smem((*lead, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
-                        common.smem((*lead, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
+  return ring, v, p
 
 
 def query_smem():
@@ -759,8 +631,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
-        promote_pv=config.promote_pv, paired=config.paired_softmax,
-        pv_quantizes_p=config.pv_quantizes_p, pair_axis=pair_axis, **params)
+        promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -840,9 +711,6 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
   if schedule == "seesaw" and config.multicast:
     raise ValueError("schedule='seesaw' does not multicast pages, got config.multicast=True")
-  for knob in ("paired_softmax", "pv_quantizes_p"):
-    if getattr(config, knob) and schedule != "softmax_wg":
-      raise ValueError(f"config.{knob} needs schedule='softmax_wg', got {schedule=!r}")
   if config.promote_pv and (pv, schedule) != ("fp8", "softmax_wg"):
     raise ValueError("config.promote_pv needs pv='fp8' and schedule='softmax_wg', "
                      f"got {pv=!r}, {schedule=!r}")
