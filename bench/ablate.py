@@ -80,8 +80,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
         ("        @pl.when(step + 1 < num_steps)\n"
          "        def _():\n"
          "          issue_qk(step + 1, s_next_ref)\n"
-         "        with jax.named_scope(\"softmax\"):\n",
-         "        with jax.named_scope(\"softmax\"):\n"),
+         "        m_new, alpha, l_new, p_fused = softmax_page(",
+         "        m_new, alpha, l_new, p_fused = softmax_page("),
         ("        with jax.named_scope(\"store_p\"):\n",
          "        @pl.when(step + 1 < num_steps)\n"
          "        def _():\n"
@@ -135,7 +135,7 @@ ABLATIONS["idle_no_rope_qk"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_rope_qk"
 ABLATIONS["idle_no_store_p"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_store_p"]
 ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
     ("m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,\n"
-     "                                                              visible)",
+     "                                                            visible)",
      "m_new, alpha, p, l_new = m_i, l_i * 0.0 + 1.0, s, l_i"),
     ("p_fused = p * k_scale\n", "p_fused = p\n"),
     ("sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)",
@@ -149,9 +149,9 @@ ABLATIONS["idle_qk_twice"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["qk_twice"]
 # ... or the next page's QK waited for at once, before this page's softmax (no overlap):
 # if the chain does not grow, QK and the softmax did not overlap to begin with.
 ABLATIONS["idle_qk_serial"] = ABLATIONS["pv_wgs_idle"] + [
-    ('          issue_qk(step + 1, s_next_ref)\n        with jax.named_scope("softmax"):\n',
+    ('          issue_qk(step + 1, s_next_ref)\n        m_new, alpha, l_new, p_fused = ',
      '          issue_qk(step + 1, s_next_ref)\n        plgpu.wgmma_wait(0)\n'
-     '        with jax.named_scope("softmax"):\n')]
+     '        m_new, alpha, l_new, p_fused = ')]
 # Does QK block the softmax warpgroup because its A operand (Q) is in that warpgroup's
 # registers? With the P V warpgroups idle, Q's SMEM is never overwritten by V^T, so QK can
 # read its A from SMEM instead (as before bf21e1a); then serialize it as idle_qk_serial.
@@ -226,8 +226,8 @@ def main():
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
   parser.add_argument("--quantize-under-qk", action="store_true",
-                      help="TuningConfig.quantize_under_qk (pv_wgs_idle, no_pv, no_vt_build "
-                           "and the like apply; the softmax variants match the default's code)")
+                      help="TuningConfig.quantize_under_qk (the variants of the shared "
+                           "softmax and P V code apply; those of the QK-ahead step do not)")
   args = parser.parse_args()
   from bench.kernel import make_inputs, measure
 

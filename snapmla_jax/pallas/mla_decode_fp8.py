@@ -350,13 +350,30 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[buf])
 
+    def softmax_page(step, s, k_scale, m_i, l_i, *, masked: bool):
+      """Page ``step``'s online-softmax step on its scores and token scales (``[64, 64]``).
+      Logits stay in units of ``t = S * scale_k`` (the true logit, in the exp2 domain, is
+      ``q_scale * t`` with ``q_scale > 0``), so the running max ``m`` is in those units too
+      and ``p = exp2(t * q_scale - m * q_scale)`` is one multiply and one FMA per element.
+      ``masked``: the page holds tokens some row may not see (the last pages). Returns
+      ``(m_new, alpha, l_new, P')``, ``P' = P * scale_k``, zero where the row may not see
+      the token."""
+      with jax.named_scope("softmax"):
+        visible = None
+        if masked:
+          visible = common.visible_token_mask((first_page + step) * PAGE_SIZE, seq_len,
+                                              row_tile, s_q=s_q, heads=heads, causal=causal)
+        m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,
+                                                            visible)
+      with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
+        p_fused = p * k_scale
+        if masked:
+          p_fused = jnp.where(visible, p_fused, 0.0)
+      return m_new, alpha, l_new, p_fused
+
     def step_fn(step, carry, *, masked: bool):
-      """One page. Logits stay in units of ``t = S * scale_k`` (the true logit, in the exp2
-      domain, is ``q_scale * t`` with ``q_scale > 0``), so the running max ``m`` is in those
-      units too and ``p = exp2(t * q_scale - m * q_scale)`` is one multiply and one FMA per
-      element. ``masked``: the page holds tokens some row may not see (the last pages)."""
+      """One page, its softmax (``softmax_page``) under the next page's QK."""
       s, m_i, l_i, sigma_i = carry
-      first_token = (first_page + step) * PAGE_SIZE
 
       def softmax_under_next_qk(s_next_ref):
         # This page's QK is done (``s``): read its scales and release its slot before
@@ -366,17 +383,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         @pl.when(step + 1 < num_steps)
         def _():
           issue_qk(step + 1, s_next_ref)
-        with jax.named_scope("softmax"):
-          visible = None
-          if masked:
-            visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
-                                                heads=heads, causal=causal)
-          m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,
-                                                              visible)
-        with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
-          p_fused = p * k_scale
-          if masked:
-            p_fused = jnp.where(visible, p_fused, 0.0)
+        m_new, alpha, l_new, p_fused = softmax_page(step, s, k_scale, m_i, l_i, masked=masked)
+        with jax.named_scope("quantize_p"):
           sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)
           factor = alpha * sigma_i * inv_sigma
         with jax.named_scope("store_p"):
@@ -404,7 +412,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       quantization and hand-off while it runs, then page ``step``'s softmax, whose ``P'``
       and ``alpha`` the carry takes to the next step."""
       m_i, l_i, sigma_i, fused_prev, alpha_prev = carry
-      first_token = (first_page + step) * PAGE_SIZE
 
       def quantize_under(s_ref):
         issue_qk(step, s_ref)
@@ -414,17 +421,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
       sigma, scores = pl.run_scoped(quantize_under,
                                     plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-      k_scales = page_scale(step)
-      with jax.named_scope("softmax"):
-        visible = None
-        if masked:
-          visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
-                                              heads=heads, causal=causal)
-        m_new, alpha, p, l_new = common.online_softmax_step(scores * k_scales, m_i, l_i,
-                                                            q_scale, visible)
-        fused = p * k_scales
-        if masked:
-          fused = jnp.where(visible, fused, 0.0)
+      m_new, alpha, l_new, fused = softmax_page(step, scores, page_scale(step), m_i, l_i,
+                                                masked=masked)
       return m_new, l_new, sigma, fused, alpha
 
     num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
