@@ -225,9 +225,6 @@ def main():
                       help="TuningConfig(overlap_pv=False): V^T built after the previous P V")
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
-  parser.add_argument("--quantize-under-qk", action="store_true",
-                      help="TuningConfig.quantize_under_qk (the variants of the shared "
-                           "softmax and P V code apply; those of the QK-ahead step do not)")
   args = parser.parse_args()
   from bench.kernel import make_inputs, measure
 
@@ -243,8 +240,7 @@ def main():
     row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
     config = mla_decode_fp8.common.TuningConfig(
         num_splits=args.splits, overlap_pv=False if args.in_order_pv else None,
-        promote_pv=args.promote_pv, multicast=args.multicast,
-        quantize_under_qk=args.quantize_under_qk)
+        promote_pv=args.promote_pv, multicast=args.multicast)
     # the unchanged kernel's splits (no_split_cap's differ: its per-step figure is off)
     splits = mla_decode_fp8.split_count(batch, row_tiles, context // 64, config, args.pv)
     waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)

@@ -44,30 +44,17 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # what the eleventh session leaves open (~9.5 min, most telling first): P' quantized
-         # under the next QK (quantize_under_qk) against the default, its GPU tests with the
-         # default's (the paired and pvq knobs' removal), Q's A operand from SMEM in the
-         # whole kernel (faster with the P V warpgroups idle, H100), the memory-bound row
-    timeout 150 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
-      --shapes 32,128,1,16384 128,16,1,16384
-    grid="seq_lens3 or seq_lens4 or seq_lens5"  # s_q = 2, h128, partial pages
-    timeout 180 bash "$0" tests tests/test_pallas_fp8.py \
-      -k "((gpu_vs_emulation and fp8-softmax_wg) or (gpu_schedule_knobs and quantize_under_qk)) and ($grid)"
-    status=$?
-    timeout 130 bash "$0" ablate --shapes 32,128,1,16384 \
-      --only q_smem,q_smem_vt_ahead_2_stages,idle_q_smem,pv_wgs_idle
-    # its softmax warpgroup's chain (against pv_wgs_idle's 1.44 us per page-step, H100)
-    timeout 45 bash "$0" ablate --shapes 32,128,1,16384 --quantize-under-qk --only pv_wgs_idle
-    timeout 50 bash "$0" sass --only fp8-fp8,fp8-quantize-under-qk ;;  # registers, spills
+  next)  # what the twelfth session leaves open: the issues' tables on the H200
+    bash "$0" tables ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-quantize-under-qk
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-quantize-under-qk \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;

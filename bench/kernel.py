@@ -89,8 +89,6 @@ def impls(fp8_config=None):
       "fp8-promoted": ("fp8", fp8("fp8", promote_pv=True)),
       "fp8-multicast": ("fp8", fp8("fp8", multicast=True)),
       "fp8-seesaw": ("fp8", fp8("fp8", "seesaw")),
-      # P' of page i - 1 quantized under page i's QK (TuningConfig.quantize_under_qk)
-      "fp8-quantize-under-qk": ("fp8", fp8("fp8", quantize_under_qk=True)),
       "xla-bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode(
           q, r, c, bt, sl, softmax_scale=SCALE, impl="xla")),
   }

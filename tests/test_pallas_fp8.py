@@ -98,20 +98,6 @@ def test_interpret_two_row_tiles_not_causal_zero_tokens(schedule):
   run_and_check(case, s_q=2, causal=False, schedule=schedule, interpret=True)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("seq_lens,s_q,heads,splits,stages", [
-    ([100, 3], 2, 16, None, None),  # partial pages with NaN tails, s_q = 2 causal
-    ([1, 130], 2, 16, 2, None),     # a row that sees nothing; an empty split
-    ([300, 64], 2, 48, 1, 2),       # 4 full pages + a partial (s_q = 2), a 2-slot ring
-])
-def test_interpret_quantize_under_qk(seq_lens, s_q, heads, splits, stages):
-  """``TuningConfig(quantize_under_qk=True)``: each page's ``P'`` quantized one step late,
-  the last page's after the loops, none for an empty split."""
-  case = make_case(3, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",))
-  config = TuningConfig(num_stages=stages, num_splits=splits, quantize_under_qk=True)
-  run_and_check(case, s_q=s_q, config=config, interpret=True)
-
-
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""
@@ -211,12 +197,6 @@ def test_in_order_pv_lowers_for_cuda():  # overlap_pv is the default on hardware
 
 
 @pytest.mark.timeout(300)
-def test_quantize_under_qk_lowers_for_cuda():
-  config = TuningConfig(quantize_under_qk=True)
-  assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=config)
-
-
-@pytest.mark.timeout(300)
 def test_seesaw_lowers_for_cuda():  # one shape: its lowering takes ~20 s on CI's CPU
   assert "mosaic_gpu" in lower(128, 2, 16, 65536, "fp8", "seesaw")
 
@@ -246,9 +226,6 @@ def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match="does not multicast"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
          config=TuningConfig(multicast=True))
-  with pytest.raises(ValueError, match="quantize_under_qk needs schedule='softmax_wg'"):
-    call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
-         config=TuningConfig(quantize_under_qk=True))
   with pytest.raises(ValueError, match="promote_pv needs pv='fp8'"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="f16",
          config=TuningConfig(promote_pv=True))
@@ -271,8 +248,7 @@ def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv, schedule):
         f"vs_fp32={ref_err:.2e}")
 
 
-SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False),
-                  "quantize_under_qk": dict(quantize_under_qk=True)}
+SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False)}
 
 
 @pytest.mark.gpu
@@ -280,8 +256,8 @@ SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False),
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
 def test_gpu_schedule_knobs(batch, s_q, heads, seq_lens, knob):
   """The hardware path off its default schedule (``test_gpu_vs_emulation`` runs that):
-  ``overlap_pv=False`` (one V^T buffer, each page's built after the previous page's P V)
-  and ``quantize_under_qk`` (each page's ``P'`` quantized under the next page's QK)."""
+  ``overlap_pv=False`` (one V^T buffer, each page's built after the previous page's
+  P V)."""
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
   for splits in (None, 3):

@@ -68,17 +68,12 @@ class TuningConfig:
     multicast: (both kernels) pair the CTAs of consecutive row tiles of a sequence in a
       cluster of two that copies each page once from L2 and multicasts it into both
       CTAs' rings, halving the L2 -> SM traffic; only where the row tiles are even.
-    quantize_under_qk: (FP8 kernel, ``schedule="softmax_wg"``) the softmax warpgroup
-      quantizes and hands off page i - 1's ``P'`` while page i's QK runs, instead of
-      issuing page i + 1's QK before page i's softmax: the page's quantization leaves the
-      softmax's dependent chain (one page more between the softmax and P V).
   """
   num_stages: int | None = None
   num_splits: int | None = None
   overlap_pv: bool | None = None
   promote_pv: bool = False
   multicast: bool = False
-  quantize_under_qk: bool = False
 
   def __post_init__(self):
     if self.num_stages is not None and self.num_stages < 2:

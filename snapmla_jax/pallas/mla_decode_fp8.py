@@ -13,9 +13,8 @@ and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; th
   to run the next QK under this page's softmax (on an H100 QK's whole time stays on the
   chain all the same, RESULTS.md). Taking full pages two at a time (one online-softmax
   step per pair) and handing ``P`` to the P V warpgroups to quantize were both slower
-  (RESULTS.md, eleventh session). With ``TuningConfig.quantize_under_qk`` it issues each
-  page's QK and quantizes and hands off the previous page's ``P'`` while it runs (two
-  independent chains for ptxas to interleave), then runs the page's softmax.
+  (RESULTS.md, eleventh session), and so was quantizing and handing off page i - 1's
+  ``P'`` under page i's QK (twelfth session).
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
   ``acc <- acc * factor + P_q V``. On a GPU (``TuningConfig.overlap_pv``, on by default
@@ -266,7 +265,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool,
-            promote_pv: bool, quantize_under_qk: bool, pair_axis: str | None):
+            promote_pv: bool, pair_axis: str | None):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
@@ -396,50 +395,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return pl.run_scoped(softmax_under_next_qk,
                            plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
 
-    def hand_off_previous(step, fused_prev, alpha_prev, sigma_i):
-      """Quantizes page ``step - 1``'s ``P'`` (``fused_prev``; all zero before the first
-      page, which keeps ``sigma_i``) and hands it off; returns its sigma."""
-      with jax.named_scope("quantize_p"):
-        sigma, inv_sigma, p_q = quantize_p_tile(fused_prev, sigma_i)
-      with jax.named_scope("store_p"):
-        @pl.when(step > 0)
-        def _():
-          hand_off_p(step - 1, p_q, alpha_prev * sigma_i * inv_sigma)
-      return sigma
-
-    def quantize_under_qk_step(step, carry, *, masked: bool):
-      """``TuningConfig.quantize_under_qk``: page ``step``'s QK, page ``step - 1``'s
-      quantization and hand-off while it runs, then page ``step``'s softmax, whose ``P'``
-      and ``alpha`` the carry takes to the next step."""
-      m_i, l_i, sigma_i, fused_prev, alpha_prev = carry
-
-      def quantize_under(s_ref):
-        issue_qk(step, s_ref)
-        sigma = hand_off_previous(step, fused_prev, alpha_prev, sigma_i)
-        with jax.named_scope("wait_qk"):
-          return sigma, s_ref[...]
-
-      sigma, scores = pl.run_scoped(quantize_under,
-                                    plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-      m_new, alpha, l_new, fused = softmax_page(step, scores, page_scale(step), m_i, l_i,
-                                                masked=masked)
-      return m_new, l_new, sigma, fused, alpha
-
     num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
     carry = (common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
              common.zero_rows(QUERY_TILE, 1.0))
-    if quantize_under_qk:
-      carry = (*carry, common.zero_acc((QUERY_TILE, PAGE_SIZE)), common.zero_rows(QUERY_TILE))
-      for lo, hi, masked in ((0, num_full, False), (num_full, num_steps, True)):
-        carry = lax.fori_loop(lo, hi, functools.partial(quantize_under_qk_step, masked=masked),
-                              carry)
-      m_i, l_i, sigma_last, fused_last, alpha_last = carry
-      sigma_i = hand_off_previous(num_steps, fused_last, alpha_last, sigma_last)
-    else:
-      s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-      carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), (s0, *carry))
-      _, m_i, l_i, sigma_i = lax.fori_loop(num_full, num_steps,
-                                           functools.partial(step_fn, masked=True), carry)
+    s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), (s0, *carry))
+    _, m_i, l_i, sigma_i = lax.fori_loop(num_full, num_steps,
+                                         functools.partial(step_fn, masked=True), carry)
     seen = l_i > 0
     buf = lax.rem(num_steps, P_BUFFERS)
 
@@ -561,8 +523,7 @@ _OVERLAP_PV_MAX_STAGES = default_stages("fp8", v_in_q=True, overlap_pv=True)
 
 
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       overlap_pv=None, promote_pv=False, quantize_under_qk=False,
-                       pair_axis=None):
+                       overlap_pv=None, promote_pv=False, pair_axis=None):
   """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
 
   ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
@@ -586,8 +547,7 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      overlap_pv=overlap_pv, promote_pv=promote_pv, quantize_under_qk=quantize_under_qk,
-      pair_axis=pair_axis)
+      overlap_pv=overlap_pv, promote_pv=promote_pv, pair_axis=pair_axis)
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
@@ -680,8 +640,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
-        promote_pv=config.promote_pv, quantize_under_qk=config.quantize_under_qk,
-        pair_axis=pair_axis, **params)
+        promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -761,8 +720,6 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
   if schedule == "seesaw" and config.multicast:
     raise ValueError("schedule='seesaw' does not multicast pages, got config.multicast=True")
-  if config.quantize_under_qk and schedule != "softmax_wg":
-    raise ValueError(f"config.quantize_under_qk needs schedule='softmax_wg', got {schedule=!r}")
   if config.promote_pv and (pv, schedule) != ("fp8", "softmax_wg"):
     raise ValueError("config.promote_pv needs pv='fp8' and schedule='softmax_wg', "
                      f"got {pv=!r}, {schedule=!r}")
