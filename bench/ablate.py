@@ -1,6 +1,7 @@
-"""Differential timing of the FP8 decode kernel: where does a page-step's time go?
+"""Differential timing of the decode kernels: where does a page-step's time go?
 
-Builds variants of ``snapmla_jax.pallas.mla_decode_fp8`` that each leave one stage out
+Builds variants of ``snapmla_jax.pallas.mla_decode_fp8`` (``--kernel bf16``:
+``mla_decode_bf16``, ``BF16_ABLATIONS``) that each leave one stage out
 (by substituting its source lines; results are wrong, times are what matter) and times
 them against the unchanged kernel in one process, at the benchmark's shapes. The time a
 stage costs on the critical path is ``base - variant`` (METHOD.md: time variants that
@@ -8,6 +9,7 @@ leave one stage out and take differences). A substitution that no longer matches
 source fails loudly.
 
   python bench/ablate.py [--shapes 32,128,1,16384 128,16,1,16384] [--only NAME,...]
+                        [--kernel bf16] [--multicast]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import importlib.util
 import inspect
 
 from snapmla_jax import quant
-from snapmla_jax.pallas import mla_decode_fp8
+from snapmla_jax.pallas import common, mla_decode_bf16, mla_decode_fp8
 
 ABLATIONS = {  # name: [(old source, new source), ...]
     "base": [],
@@ -188,10 +190,30 @@ ABLATIONS["idle_skeleton_one_stage_less"] = (ABLATIONS["idle_skeleton"]
                                              + ABLATIONS["one_stage_less"])
 
 
-def variant(name: str):
+# The BF16 kernel (issue 3's baseline): is its page-step set by the page feed (72 KB a page
+# on a 2-stage ring) or by warpgroup 0's chain (QK, softmax, P's store, its half of P V)?
+BF16_ABLATIONS = {
+    "base": [],
+    "no_pv": [("    return common.accumulate_pv(\n", "    return acc\n    return common.accumulate_pv(\n")],
+    "no_qk": [("        plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)\n", "")],
+    "no_softmax": [  # P = S, alpha = l (the FMULs of the rescale stay)
+        ("m_new, alpha, p, l_i = common.online_softmax_step(s, m_i, l_i, scale_log2, visible)",
+         "m_new, alpha, p = m_i, l_i, s")],
+    "same_page": [("page = bt_ref[b, first_page + step]", "page = bt_ref[b, first_page]")],
+}
+# The feed alone: TMAs, barriers and P's store (S stays zero).
+BF16_ABLATIONS["skeleton"] = (BF16_ABLATIONS["no_pv"] + BF16_ABLATIONS["no_qk"]
+                              + BF16_ABLATIONS["no_softmax"])
+BF16_ABLATIONS["skeleton_same_page"] = BF16_ABLATIONS["skeleton"] + BF16_ABLATIONS["same_page"]
+BF16_ABLATIONS["no_qk_no_softmax"] = BF16_ABLATIONS["no_qk"] + BF16_ABLATIONS["no_softmax"]
+KERNELS = {"fp8": (mla_decode_fp8, ABLATIONS), "bf16": (mla_decode_bf16, BF16_ABLATIONS)}
+
+
+def variant(name: str, kernel: str = "fp8"):
   """The kernel module with ablation ``name`` applied, as a fresh module."""
-  source = inspect.getsource(mla_decode_fp8)
-  for old, new in ABLATIONS[name]:
+  module, ablations = KERNELS[kernel]
+  source = inspect.getsource(module)
+  for old, new in ablations[name]:
     if source.count(old) != 1:
       raise ValueError(f"ablation {name}: {old!r} occurs {source.count(old)} times")
     source = source.replace(old, new)
@@ -201,11 +223,14 @@ def variant(name: str):
   return module
 
 
-def variant_decode(name: str, config, pv: str = "fp8"):
-  """``f(q_content, q_scale, q_rope, fp8 cache, block_table, seq_lens)``: the FP8 decode of
-  variant ``name`` at the benchmark's softmax scale."""
+def variant_decode(name: str, config, pv: str = "fp8", kernel: str = "fp8"):
+  """``f(q_nope, q_rope, cache, block_table, seq_lens)``: the decode of variant ``name``
+  at the benchmark's softmax scale (FP8: the query quantized outside the timed call)."""
   from bench.kernel import SCALE
-  module = variant(name)
+  module = variant(name, kernel)
+  if kernel == "bf16":
+    return lambda q, r, c, bt, sl: module.mla_decode_bf16(
+        q, r, c.latent, bt, sl, softmax_scale=SCALE, config=config)
 
   def f(qc, qs, qr, c, bt, sl):
     return module.mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
@@ -225,31 +250,36 @@ def main():
                       help="TuningConfig(overlap_pv=False): V^T built after the previous P V")
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
+  parser.add_argument("--kernel", choices=KERNELS, default="fp8")
   args = parser.parse_args()
   from bench.kernel import make_inputs, measure
 
-  chosen = args.only.split(",") if args.only else ABLATIONS
+  chosen = args.only.split(",") if args.only else KERNELS[args.kernel][1]
   names = ["base"] + [n for n in chosen if n and n != "base"]
   lines = ["| shape | variant | time (us) | us per page-step | saved vs base (us) |",
            "|---|---|---|---|---|"]
   for shape in args.shapes:
     batch, heads, s_q, context = map(int, shape.split(","))
-    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, {"fp8"})
-    c = caches["fp8"]
-    qc, qs, qr = quant.quantize_query(q, r)
-    row_tiles = mla_decode_fp8.common.num_row_tiles(s_q, heads)
-    config = mla_decode_fp8.common.TuningConfig(
-        num_splits=args.splits, overlap_pv=False if args.in_order_pv else None,
-        promote_pv=args.promote_pv, multicast=args.multicast)
-    # the unchanged kernel's splits (no_split_cap's differ: its per-step figure is off)
-    splits = mla_decode_fp8.split_count(batch, row_tiles, context // 64, config, args.pv)
-    waves = -(-batch * row_tiles * splits // mla_decode_fp8.common.HOPPER_NUM_SMS)
+    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, {args.kernel})
+    c = caches[args.kernel]
+    inputs = (q, r) if args.kernel == "bf16" else quant.quantize_query(q, r)
+    row_tiles = common.num_row_tiles(s_q, heads)
+    if args.kernel == "bf16":
+      config = common.TuningConfig(num_splits=args.splits, multicast=args.multicast)
+      splits = args.splits or common.default_num_splits(batch, row_tiles, context // 64)
+    else:
+      config = common.TuningConfig(
+          num_splits=args.splits, overlap_pv=False if args.in_order_pv else None,
+          promote_pv=args.promote_pv, multicast=args.multicast)
+      # the unchanged kernel's splits (no_split_cap's differ: its per-step figure is off)
+      splits = mla_decode_fp8.split_count(batch, row_tiles, context // 64, config, args.pv)
+    waves = -(-batch * row_tiles * splits // common.HOPPER_NUM_SMS)
     steps = waves * (context // 64) / splits   # page-steps on the longest-running SM
     base = None
     for name in names:
-      f = variant_decode(name, config, args.pv)
+      f = variant_decode(name, config, args.pv, args.kernel)
       try:
-        t = measure(f, qc, qs, qr, c, bt, sl) * 1e6
+        t = measure(f, *inputs, c, bt, sl) * 1e6
       except Exception as e:  # noqa: BLE001 - report and go on
         print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
         continue

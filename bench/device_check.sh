@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~9 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~7 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,8 +44,16 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # what the twelfth session leaves open: the issues' tables on the H200
-    bash "$0" tables ;;
+  next)  # the BF16 kernel (issue 3): is its page-step the page feed's (72 KB a page on a
+         # 2-stage ring) or warpgroup 0's chain? Pages multicast to both row tiles of a
+         # sequence in both kernels (~7 min)
+    timeout 150 bash "$0" bench --skip xla-bf16,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order \
+      --shapes 32,128,1,16384 64,128,1,16384 128,16,1,16384
+    timeout 100 bash "$0" ablate --kernel bf16 --shapes 32,128,1,16384
+    timeout 60 bash "$0" ablate --kernel bf16 --shapes 32,128,1,16384 --multicast \
+      --only skeleton,no_softmax
+    timeout 120 bash "$0" tests tests/test_pallas_bf16.py -k gpu_multicast
+    status=$? ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
