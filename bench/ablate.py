@@ -81,13 +81,13 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     "qk_after_quantize": [
         ("        @pl.when(step + 1 < num_steps)\n"
          "        def _():\n"
-         "          issue_qk(step + 1, s_next_ref)\n"
+         "          issue_qk(step + 1, s_next_ref, q_content)\n"
          "        m_new, alpha, l_new, p_fused = softmax_page(",
          "        m_new, alpha, l_new, p_fused = softmax_page("),
         ("        with jax.named_scope(\"store_p\"):\n",
          "        @pl.when(step + 1 < num_steps)\n"
          "        def _():\n"
-         "          issue_qk(step + 1, s_next_ref)\n"
+         "          issue_qk(step + 1, s_next_ref, q_content)\n"
          "        with jax.named_scope(\"store_p\"):\n"),
     ],
     "no_pv": [
@@ -100,8 +100,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     # P V accumulated in place over every page of a split, however many
     "no_split_cap": [("FP8_PV_MAX_PAGES = 256 ", "FP8_PV_MAX_PAGES = 1 << 30 ")],
     "same_page": [  # every step reads the split's first page: L2-resident, no HBM latency
-        ("bt_ref[b, first_page + step], slot, kv_ready, pair_axis)",
-         "bt_ref[b, first_page], slot, kv_ready, pair_axis)"),
+        ("bt_ref[b, first_page + step], slot, kv_ready, pair_axis,",
+         "bt_ref[b, first_page], slot, kv_ready, pair_axis,"),
     ],
     "one_stage_less": [("return 4 if v_in_q and not overlap_pv else 3",
                         "return 3 if v_in_q and not overlap_pv else 2")],
@@ -145,14 +145,14 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
 ]
 # Is QK's latency on the softmax warpgroup's chain (it is issued a page ahead, under the
 # softmax)? Each page's content QK issued twice: the chain grows by QK's time if so.
-ABLATIONS["qk_twice"] = [("      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n",
-                          "      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n" * 2)]
+ABLATIONS["qk_twice"] = [("    plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n",
+                          "    plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n" * 2)]
 ABLATIONS["idle_qk_twice"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["qk_twice"]
 # ... or the next page's QK waited for at once, before this page's softmax (no overlap):
 # if the chain does not grow, QK and the softmax did not overlap to begin with.
 ABLATIONS["idle_qk_serial"] = ABLATIONS["pv_wgs_idle"] + [
-    ('          issue_qk(step + 1, s_next_ref)\n        m_new, alpha, l_new, p_fused = ',
-     '          issue_qk(step + 1, s_next_ref)\n        plgpu.wgmma_wait(0)\n'
+    ('          issue_qk(step + 1, s_next_ref, q_content)\n        m_new, alpha, l_new, p_fused = ',
+     '          issue_qk(step + 1, s_next_ref, q_content)\n        plgpu.wgmma_wait(0)\n'
      '        m_new, alpha, l_new, p_fused = ')]
 # Does QK block the softmax warpgroup because its A operand (Q) is in that warpgroup's
 # registers? With the P V warpgroups idle, Q's SMEM is never overwritten by V^T, so QK can
@@ -162,23 +162,11 @@ ABLATIONS["idle_q_smem"] = ABLATIONS["pv_wgs_idle"] + [
      "plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)")]
 ABLATIONS["idle_q_smem_qk_serial"] = (ABLATIONS["idle_q_smem"]
                                       + ABLATIONS["idle_qk_serial"][len(ABLATIONS["pv_wgs_idle"]):])
-# The whole kernel with QK's A operand from SMEM (V^T then needs SMEM of its own): in
-# order (one V^T buffer per warpgroup, 3 stages) or with V^T ahead on a 2-stage ring.
-ABLATIONS["q_smem"] = [
-    ('v_in_q = in_place and pv_impl == "fp8"\n', 'v_in_q = False\n'),
-    ("q_in_registers=in_place,", "q_in_registers=False,"),
-]
-ABLATIONS["q_smem_vt_ahead_2_stages"] = ABLATIONS["q_smem"] + [
-    ("overlap_pv = v_in_q and not promote_pv and not deeper_ring",
-     "overlap_pv = in_place and not promote_pv"),
-    ("return 4 if v_in_q and not overlap_pv else 3",
-     "return 2 if overlap_pv and not v_in_q else 4 if v_in_q and not overlap_pv else 3"),
-]
 # P's hand-off without its proxy fence and warpgroup barrier (MEMBAR.ALL.CTA, FENCE.VIEW.
 # ASYNC.S, BAR.SYNC in SASS): what the fence costs the chain (results may be wrong).
 ABLATIONS["no_p_fence"] = [
-    ("      factor_smem.at[buf][...] = factor\n      plgpu.commit_smem()\n",
-     "      factor_smem.at[buf][...] = factor\n")]
+    ("    factor_smem.at[buf][...] = factor\n    plgpu.commit_smem()\n",
+     "    factor_smem.at[buf][...] = factor\n")]
 ABLATIONS["idle_no_p_fence"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["no_p_fence"]
 # ... and without QK (S stays zero): the skeleton of TMA waits, barriers and P's store.
 ABLATIONS["idle_skeleton"] = ABLATIONS["idle_no_softmax"] + ABLATIONS["no_rope_qk"] + [

@@ -89,6 +89,7 @@ def impls(fp8_config=None):
       "fp8-promoted": ("fp8", fp8("fp8", promote_pv=True)),
       "fp8-multicast": ("fp8", fp8("fp8", multicast=True)),
       "fp8-seesaw": ("fp8", fp8("fp8", "seesaw")),
+      "fp8-two-softmax-wgs": ("fp8", fp8("fp8", "two_softmax_wgs")),
       "xla-bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode(
           q, r, c, bt, sl, softmax_scale=SCALE, impl="xla")),
   }

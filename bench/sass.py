@@ -106,10 +106,16 @@ def main():
     os.makedirs(dump, exist_ok=True)
     switches = dict(MOSAIC_GPU_DUMP_TO=dump, MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
     os.environ.update(switches)
+    failed = None
     with capture_fds(os.path.join(dump, "compile.log")):  # the C++ side prints to fd 1 and 2
-      jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
+      try:
+        jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
+      except Exception as e:  # noqa: BLE001 - a ptxas failure: keep its dumps and log
+        failed = f"{type(e).__name__}: {str(e)[:2000]}"
     for key in switches:
       del os.environ[key]
+    if failed:
+      print(f"\n== {name}: compile failed: {failed}")
     texts = {}
     for path in sorted(glob.glob(os.path.join(dump, "*"))):
       with open(path, encoding="latin-1") as fh:
@@ -131,7 +137,8 @@ def main():
       with open(os.path.join(dump, "kernel.sass"), "w") as fh:
         fh.write(sass)
     for path in glob.glob(os.path.join(dump, "*")):   # keep what is worth bringing back
-      if not path.endswith((".ptx", ".ptxas", ".sass", ".resources.txt")):
+      if not path.endswith((".ptx", ".ptxas", ".sass", ".resources.txt")) and not (
+          failed and path.endswith((".log", ".mlir"))):
         os.remove(path)
     counts = opcode_histogram(sass)
     rows.append((name, counts))

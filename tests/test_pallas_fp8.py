@@ -43,9 +43,10 @@ SCALE = 576 ** -0.5
 EMULATE_RTOL = 1e-2
 EMULATE_LSE_ATOL = 2e-3
 F8 = jnp.float8_e4m3fn
-SCHEDULES = ["softmax_wg", "seesaw"]
+SCHEDULES = ["softmax_wg", "two_softmax_wgs", "seesaw"]
 # The (pv, schedule) pairs that fit a Hopper's SMEM: the seesaw's f16 V buffers do not.
-GPU_ROUTES = [("f16", "softmax_wg"), ("fp8", "softmax_wg"), ("fp8", "seesaw")]
+GPU_ROUTES = [("f16", "softmax_wg"), ("fp8", "softmax_wg"), ("fp8", "two_softmax_wgs"),
+              ("fp8", "seesaw")]
 
 
 def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", schedule="softmax_wg",
@@ -194,6 +195,16 @@ def test_in_order_pv_lowers_for_cuda():  # overlap_pv is the default on hardware
   assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8", config=TuningConfig(num_stages=4))
   with pytest.raises(ValueError, match="at most 3 stages"):
     lower(32, 1, 128, 16384, "fp8", config=TuningConfig(num_stages=4, overlap_pv=True))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overlap_pv", [None, False])  # V^T ahead on 2 stages; in order on 3
+def test_two_softmax_wgs_lowers_for_cuda(overlap_pv):
+  config = TuningConfig(overlap_pv=overlap_pv)
+  assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", "two_softmax_wgs", config=config)
+  with pytest.raises(ValueError, match="at most 2 stages"):
+    lower(32, 1, 128, 16384, "fp8", "two_softmax_wgs",
+          config=TuningConfig(num_stages=3, overlap_pv=True))
 
 
 @pytest.mark.timeout(300)

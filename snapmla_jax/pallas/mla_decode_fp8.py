@@ -92,33 +92,39 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM, TuningConfig)
 
 PvImpl = Literal["f16", "fp8"]
-Schedule = Literal["softmax_wg", "seesaw"]
+Schedule = Literal["softmax_wg", "two_softmax_wgs", "seesaw"]
+SCHEDULES = ("softmax_wg", "two_softmax_wgs", "seesaw")
 _FP8 = jnp.float8_e4m3fn
 _U16 = jnp.uint16
 _HALF_PAGE = PAGE_SIZE // 2
 
-SOFTMAX_WG = 0
-PV_WGS = (1, 2)            # warpgroup 1 + h owns output dims [256 h, 256 h + 256)
-P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V
+NUM_PV_WGS = 2             # the last two warpgroups: h owns output dims [256 h, 256 h + 256)
+P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V (per softmax wg)
+# ``softmax_wgs=2``: four warpgroups cap every thread at 128 registers at launch; the
+# softmax warpgroups give some up (S, P' and the row state; Q stays in SMEM) so that each
+# P V warpgroup keeps the 168 of three warpgroups for its 64 x 256 f32 accumulator.
+SOFTMAX_REGISTERS = 88
+PV_REGISTERS = 168
 PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
 FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (_decode)
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
 def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready,
-                      collective_axes: str | None = None) -> None:
+                      collective_axes: str | None = None, barrier_set=None) -> None:
   """Starts the three TMAs of cache page ``page`` into ring slot ``slot``.
 
   Args:
     cache_refs: GMEM ``(content, scale, rope)`` of the cache.
     ring_smem: SMEM ``(content [stages, 64, 512], scale [stages, 64], rope [stages, 64, 64])``.
-    kv_ready: ``3 * stages`` barriers, ``slot * 3 + which`` for the copy ``which`` of
-      ``(_CONTENT, _SCALE, _ROPE)``.
+    kv_ready: ``3 * sets`` barriers, ``barrier_set * 3 + which`` for the copy ``which`` of
+      ``(_CONTENT, _SCALE, _ROPE)``; ``barrier_set`` defaults to ``slot``.
     collective_axes: a cluster axis whose CTAs all call this for the same page: each
       copies its share and multicasts it into every CTA's slot.
   """
+  barrier_set = slot if barrier_set is None else barrier_set
   for which, (src, dst) in enumerate(zip(cache_refs, ring_smem)):
-    plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[slot * 3 + which],
+    plgpu.copy_gmem_to_smem(src.at[page], dst.at[slot], kv_ready.at[barrier_set * 3 + which],
                             collective_axes=collective_axes)
 
 
@@ -212,6 +218,36 @@ def quantize_p_tile(p_fused, sigma_prev):
   return sigma, inv_sigma, p_q
 
 
+def combine_page_state(m_prev, l_prev, sigma_prev, m_loc, l_loc, p_max, q_scale):
+  """Page s's softmax, taken relative to its own row max, combined with the state after
+  page s - 1 (all ``[64]`` rows, logits in units where row r's exp2-domain logit is
+  ``q_scale[r] * t``)::
+
+    m_s = max(m, m_loc)      alpha = 2^(q (m - m_s))      beta = 2^(q (m_loc - m_s))
+    l_s = l alpha + l_loc beta
+    sigma_s = max(beta p_max / 448, eps)   (sigma if the page's P' is all zero)
+    P_q = e4m3(P'_loc beta / sigma_s)      gamma_s = alpha sigma / sigma_s
+
+  which is the emulation's ``P'`` quantization (``P' = P'_loc beta``, block max
+  ``beta p_max``) up to rounding, and eq. 12-13's rescaling ``acc <- acc gamma_s + P_q V``
+  with ``O = sigma_s acc``.
+
+  Args:
+    m_prev, l_prev, sigma_prev: the state after page s - 1 (``-inf, 0, 1`` before page 0).
+    m_loc, l_loc, p_max: page s's row max, sum of exponentials and max of ``P'_loc``.
+  Returns:
+    ``((m_s, l_s, sigma_s), beta, gamma_s)``.
+  """
+  m_new = jnp.maximum(m_prev, m_loc)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2((m_prev - m_use) * q_scale)
+  beta = jnp.exp2((m_loc - m_use) * q_scale)
+  block_max = p_max * beta
+  sigma = jnp.where(block_max > 0,
+                    jnp.maximum(block_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_prev)
+  return (m_new, l_prev * alpha + l_loc * beta, sigma), beta, alpha * (sigma_prev / sigma)
+
+
 def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
   """``P_q`` (e4m3 ``[64, 64]``) into ``p_smem`` in the order of V's rows: f16 ``[64, 64]``
   for ``pv="f16"``; for ``pv="fp8"`` the u16 ``[64, 32]`` view of e4m3 ``[64, 64]`` whose
@@ -261,14 +297,19 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             lens_ref,                                            # inputs (GMEM)
             out_ref, lse_ref,                                    # outputs (GMEM)
             qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v_smem, p_smem,
-            factor_smem, lse_smem,                               # SMEM
-            q_bar, kv_ready, kv_free, p_ready, p_free, q_free,   # barriers
+            factor_smem, lse_smem, state_smem,                   # SMEM
+            q_bar, kv_ready, kv_free, p_ready, p_free, q_free, state_ready,  # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
             pv_impl: PvImpl, in_place: bool, q_in_registers: bool, overlap_pv: bool,
-            promote_pv: bool, pair_axis: str | None):
+            promote_pv: bool, softmax_wgs: int, pair_axis: str | None):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
+  p_buffers = P_BUFFERS * softmax_wgs
+  # Page ``step``'s TMAs arrive on barrier set ``step % barrier_sets``: with two softmax
+  # warpgroups a set serves one warpgroup's pages only (a thread tracks each barrier's
+  # phase by waiting every phase of it).
+  barrier_sets = num_stages * softmax_wgs
   # v_smem[half]: each P V warpgroup's half of V (f16) or V^T (fp8); with ``overlap_pv``
   # two of them, ``[page parity]``. V^T lives in the SMEM of Q's content when the softmax
   # warpgroup holds Q in registers (``v_in_q``).
@@ -282,12 +323,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-  def kv_bar(slot, which):
-    return kv_ready.at[slot * 3 + which]
+  def kv_bar(step, which):
+    return kv_ready.at[lax.rem(step, barrier_sets) * 3 + which]
 
   def issue_copies(step, slot):
     issue_page_copies((content_ref, scale_ref, rope_ref), (kc_smem, ks_smem, kr_smem),
-                      bt_ref[b, first_page + step], slot, kv_ready, pair_axis)
+                      bt_ref[b, first_page + step], slot, kv_ready, pair_axis,
+                      barrier_set=lax.rem(step, barrier_sets))
 
   def dequantize_v(slot, half, first_token, masked: bool):
     dequantize_v_half(kc_smem.at[slot], v_smem[half], half, first_token, seq_len, masked)
@@ -299,9 +341,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   def store_p(p_q, buf):
     store_p_tile(p_q, p_smem.at[buf] if pv_impl == "f16" else p16_smem.at[buf], pv_impl)
 
-  def softmax_warpgroup():
-    for i, (src, dst) in enumerate(((qc_ref, qc_smem), (qs_ref, qs_smem), (qr_ref, qr_smem))):
-      plgpu.copy_gmem_to_smem(src.at[b, rows], dst, q_bar.at[i])
+  def load_query(copy: bool):
+    """Q's content (in registers with ``q_in_registers``, else its SMEM) and its row scales
+    times ``scale_log2``; ``copy``: this warpgroup starts Q's TMAs."""
+    if copy:
+      for i, (src, dst) in enumerate(((qc_ref, qc_smem), (qs_ref, qs_smem),
+                                      (qr_ref, qr_smem))):
+        plgpu.copy_gmem_to_smem(src.at[b, rows], dst, q_bar.at[i])
     for i in range(3):
       plgpu.barrier_wait(q_bar.at[i])
     q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2
@@ -311,43 +357,79 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     if v_in_q:  # Q's SMEM becomes V^T buffers once every thread has its registers
       plgpu.commit_smem()
       plgpu.barrier_arrive(q_free)
+    return q_content, q_scale
 
-    def issue_qk(step, s_ref):
-      """Starts ``S = Q_c K_c^T + Q_r' K_r'^T`` of page ``step`` (async wgmma)."""
-      slot = lax.rem(step, num_stages)
-      with jax.named_scope("wait_kv"):
-        for which in (_CONTENT, _ROPE):
-          plgpu.barrier_wait(kv_bar(slot, which))
-      plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)
-      plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
+  def issue_qk(step, s_ref, q_content):
+    """Starts ``S = Q_c K_c^T + Q_r' K_r'^T`` of page ``step`` (async wgmma)."""
+    slot = lax.rem(step, num_stages)
+    with jax.named_scope("wait_kv"):
+      for which in (_CONTENT, _ROPE):
+        plgpu.barrier_wait(kv_bar(step, which))
+    plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)
+    plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
+
+  def page_scale(step):
+    """Page ``step``'s per-token scales broadcast over ``[64 rows, 64 tokens]``; then
+    releases its slot (its QK is done: the caller holds S)."""
+    slot = lax.rem(step, num_stages)
+    plgpu.barrier_wait(kv_bar(step, _SCALE))
+    k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
+    plgpu.barrier_arrive(kv_free.at[slot])
+    return lax.broadcast_in_dim(k_scale, (QUERY_TILE, PAGE_SIZE), [1])
+
+  def hand_off_p(step, p_q, factor):
+    """Stores page ``step``'s ``P_q`` and row factor into its P buffer (once both P V
+    warpgroups are done with the page ``p_buffers`` earlier) behind an SMEM fence."""
+    buf = lax.rem(step, p_buffers)
+
+    @pl.when(step >= p_buffers)
+    def _():
+      plgpu.barrier_wait(p_free.at[buf])
+    store_p(p_q, buf)
+    factor_smem.at[buf][...] = factor
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready.at[buf])
+
+  def visible_tokens(step):
+    return common.visible_token_mask((first_page + step) * PAGE_SIZE, seq_len, row_tile,
+                                     s_q=s_q, heads=heads, causal=causal)
+
+  def finish(final_state, q_scale):
+    """The last "step" (``num_steps``): the P V warpgroups normalize with its factor
+    ``sigma / l``; the LSE goes out. ``final_state``: ``(m, l, sigma)`` after the last page."""
+    m_i, l_i, sigma_i = final_state
+    seen = l_i > 0
+    buf = lax.rem(num_steps, p_buffers)
+
+    @pl.when(num_steps >= p_buffers)
+    def _():
+      plgpu.barrier_wait(p_free.at[buf])
+    factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
+    lse_smem[...] = jnp.where(
+        seen, (m_i * q_scale + jnp.log2(jnp.where(seen, l_i, 1.0))) * common.LN2, -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_ready.at[buf])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  def observe_last_releases(owns):
+    """Waits for the P buffers' releases that no later page waited for (every phase of a
+    barrier a warpgroup waits on is waited), those of the pages ``owns(step)``."""
+    for back in range(p_buffers - 1, 0, -1):
+      step = num_steps - back
+
+      @pl.when(jnp.logical_and(step >= 0, owns(step)))
+      def _():
+        plgpu.barrier_wait(p_free.at[lax.rem(step, p_buffers)])
+
+  def softmax_warpgroup():
+    q_content, q_scale = load_query(copy=True)
 
     def first_scores(s_ref):
       @pl.when(num_steps > 0)
       def _():
-        issue_qk(0, s_ref)
+        issue_qk(0, s_ref, q_content)
       return s_ref[...]
-
-    def page_scale(step):
-      """Page ``step``'s per-token scales broadcast over ``[64 rows, 64 tokens]``; then
-      releases its slot (its QK is done: the caller holds S)."""
-      slot = lax.rem(step, num_stages)
-      plgpu.barrier_wait(kv_bar(slot, _SCALE))
-      k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
-      plgpu.barrier_arrive(kv_free.at[slot])
-      return lax.broadcast_in_dim(k_scale, (QUERY_TILE, PAGE_SIZE), [1])
-
-    def hand_off_p(step, p_q, factor):
-      """Stores page ``step``'s ``P_q`` and row factor into its P buffer (once both P V
-      warpgroups are done with the page ``P_BUFFERS`` earlier) behind an SMEM fence."""
-      buf = lax.rem(step, P_BUFFERS)
-
-      @pl.when(step >= P_BUFFERS)
-      def _():
-        plgpu.barrier_wait(p_free.at[buf])
-      store_p(p_q, buf)
-      factor_smem.at[buf][...] = factor
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_ready.at[buf])
 
     def softmax_page(step, s, k_scale, m_i, l_i, *, masked: bool):
       """Page ``step``'s online-softmax step on its scores and token scales (``[64, 64]``).
@@ -358,10 +440,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       ``(m_new, alpha, l_new, P')``, ``P' = P * scale_k``, zero where the row may not see
       the token."""
       with jax.named_scope("softmax"):
-        visible = None
-        if masked:
-          visible = common.visible_token_mask((first_page + step) * PAGE_SIZE, seq_len,
-                                              row_tile, s_q=s_q, heads=heads, causal=causal)
+        visible = visible_tokens(step) if masked else None
         m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,
                                                             visible)
       with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
@@ -381,7 +460,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
         @pl.when(step + 1 < num_steps)
         def _():
-          issue_qk(step + 1, s_next_ref)
+          issue_qk(step + 1, s_next_ref, q_content)
         m_new, alpha, l_new, p_fused = softmax_page(step, s, k_scale, m_i, l_i, masked=masked)
         with jax.named_scope("quantize_p"):
           sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)
@@ -400,29 +479,84 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
              common.zero_rows(QUERY_TILE, 1.0))
     s0 = pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
     carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), (s0, *carry))
-    _, m_i, l_i, sigma_i = lax.fori_loop(num_full, num_steps,
-                                         functools.partial(step_fn, masked=True), carry)
-    seen = l_i > 0
-    buf = lax.rem(num_steps, P_BUFFERS)
+    _, *final_state = lax.fori_loop(num_full, num_steps,
+                                    functools.partial(step_fn, masked=True), carry)
+    finish(final_state, q_scale)
+    observe_last_releases(lambda step: True)
 
-    @pl.when(num_steps >= P_BUFFERS)
-    def _():
-      plgpu.barrier_wait(p_free.at[buf])
-    # The last "step": the P V warpgroups normalize with this factor.
-    factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
-    lse_smem[...] = jnp.where(
-        seen, (m_i * q_scale + jnp.log2(jnp.where(seen, l_i, 1.0))) * common.LN2, -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p_ready.at[buf])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+  def alternating_softmax_warpgroup(h: int):
+    """``softmax_wgs=2``: warpgroup ``h`` takes pages ``s = h, h + 2, ...``: their QK (Q's
+    A operand from SMEM), a softmax relative to the page's own max (no wait on page
+    ``s - 1``), then ``combine_page_state`` with page ``s - 1``'s state, which the other
+    warpgroup published in ``state_smem``; it publishes page ``s``'s at once, then
+    quantizes and hands off ``P_q``. The serial part across the two warpgroups is the
+    per-row combine; each has two page-steps for the rest of its page."""
+    plgpu.set_max_registers(SOFTMAX_REGISTERS, action="decrease")
+    q_content, q_scale = load_query(copy=h == 0)
+    if h == 0:  # the state before page 0, read by page 0's combine (this warpgroup)
+      for row, value in enumerate((-jnp.inf, 0.0, 1.0)):
+        state_smem.at[p_buffers - 1, row][...] = common.zero_rows(QUERY_TILE, value)
+      plgpu.commit_smem()
 
-    for back in range(P_BUFFERS - 1, 0, -1):  # observe the last pages' releases: every
-      @pl.when(num_steps >= back)             # phase is waited
+    def previous_state(step):
+      """The state after page ``step - 1`` (``step`` 0: the initial state)."""
+      prev = lax.rem(step + p_buffers - 1, p_buffers)
+
+      @pl.when(step > 0)
       def _():
-        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, P_BUFFERS)])
-    plgpu.wait_smem_to_gmem(0)
+        plgpu.barrier_wait(state_ready.at[prev])
+      return tuple(plgpu.load(state_smem.at[prev, row], layout=row_layout)
+                   for row in range(3))
+
+    def own_step(j, carry, *, masked: bool):
+      step = 2 * j + h
+
+      def qk(s_ref):
+        issue_qk(step, s_ref, q_content)
+        with jax.named_scope("wait_qk"):
+          return s_ref[...]
+      scores = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+      k_scale = page_scale(step)
+      with jax.named_scope("softmax"):  # relative to the page's own max
+        visible = visible_tokens(step) if masked else None
+        m_loc, _, p, l_loc = common.online_softmax_step(
+            scores * k_scale, common.zero_rows(QUERY_TILE, -jnp.inf),
+            common.zero_rows(QUERY_TILE), q_scale, visible)
+        p_fused = p * k_scale  # P'_loc
+        if masked:
+          p_fused = jnp.where(visible, p_fused, 0.0)
+        p_max = p_fused.max(axis=1)
+      with jax.named_scope("combine"):
+        m_prev, l_prev, sigma_prev = previous_state(step)
+        state, beta, gamma = combine_page_state(m_prev, l_prev, sigma_prev, m_loc, l_loc,
+                                                p_max, q_scale)
+        buf = lax.rem(step, p_buffers)
+        for row, value in enumerate(state):
+          state_smem.at[buf, row][...] = value
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(state_ready.at[buf])
+      with jax.named_scope("quantize_p"):
+        sigma = state[2]
+        inv = jnp.where(p_max > 0, beta / sigma, 0.0)
+        p_q = (p_fused * common.row_broadcast(inv, p_fused.shape)).astype(_FP8)
+      with jax.named_scope("store_p"):
+        hand_off_p(step, p_q, gamma)
+      return carry
+
+    own_steps = (num_steps - h + 1) // 2
+    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
+    full_steps = jnp.clip((num_full - h + 1) // 2, 0, own_steps)
+    lax.fori_loop(0, full_steps, functools.partial(own_step, masked=False), ())
+    lax.fori_loop(full_steps, own_steps, functools.partial(own_step, masked=True), ())
+
+    @pl.when(lax.rem(num_steps, 2) == h)
+    def _():
+      finish(previous_state(num_steps), q_scale)
+    observe_last_releases(lambda step: lax.rem(step, 2) == h)
 
   def pv_warpgroup(half: int):
+    if softmax_wgs == 2:
+      plgpu.set_max_registers(PV_REGISTERS, action="increase")
     prepare = dequantize_v if pv_impl == "f16" else transpose_v
     issues_copies = half == 0
     if issues_copies:
@@ -437,7 +571,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       slot = lax.rem(step, num_stages)
       first_token = (first_page + step) * PAGE_SIZE
       with jax.named_scope("wait_kv"):
-        plgpu.barrier_wait(kv_bar(slot, _CONTENT))
+        plgpu.barrier_wait(kv_bar(step, _CONTENT))
       with jax.named_scope("prepare_v"):
         for masked in (False, True):  # only a partial page is masked
           @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
@@ -454,7 +588,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
     def wait_p(step):
       """Waits for page ``step``'s ``P_q``; returns its P buffer and rescaling factor."""
-      buf = lax.rem(step, P_BUFFERS)
+      buf = lax.rem(step, p_buffers)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready.at[buf])
       return buf, factor_smem.at[buf][...]
@@ -500,77 +634,94 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         @pl.when(num_steps - back >= 0)
         def _():
           plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
-    buf = lax.rem(num_steps, P_BUFFERS)
+    buf = lax.rem(num_steps, p_buffers)
     plgpu.barrier_wait(p_ready.at[buf])
     out = acc * common.row_broadcast(factor_smem.at[buf][...], acc.shape)
     out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
 
-  pl.when(wg == SOFTMAX_WG)(softmax_warpgroup)
-  for half, pv_wg in enumerate(PV_WGS):
-    pl.when(wg == pv_wg)(functools.partial(pv_warpgroup, half))
+  if softmax_wgs == 1:
+    pl.when(wg == 0)(softmax_warpgroup)
+  else:
+    for h in range(softmax_wgs):
+      pl.when(wg == h)(functools.partial(alternating_softmax_warpgroup, h))
+  for half in range(NUM_PV_WGS):
+    pl.when(wg == softmax_wgs + half)(functools.partial(pv_warpgroup, half))
 
 
-def default_stages(pv_impl: PvImpl, *, v_in_q: bool, overlap_pv: bool) -> int:
+def default_stages(pv_impl: PvImpl, *, v_in_q: bool, overlap_pv: bool,
+                   softmax_wgs: int = 1) -> int:
   """The deepest page ring that fits in the 227 KB of SMEM. A page is 41 KB, Q 41 KB, the P
-  buffers 8 KB (16 in f16); both V halves take 64 KB in f16, 32 KB as V^T (the size of Q's
-  content, whose SMEM holds them with ``v_in_q``) and 64 KB double-buffered."""
+  buffers 8 KB (16 in f16; twice that with two softmax warpgroups); both V halves take
+  64 KB in f16, 32 KB as V^T (the size of Q's content, whose SMEM holds them with
+  ``v_in_q``) and 64 KB double-buffered."""
   if pv_impl == "f16":
     return 2
+  if softmax_wgs == 2:  # Q stays in SMEM, next to V^T
+    return 2 if overlap_pv else 3
   return 4 if v_in_q and not overlap_pv else 3
 
 
-_OVERLAP_PV_MAX_STAGES = default_stages("fp8", v_in_q=True, overlap_pv=True)
-
-
 def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_place,
-                       overlap_pv=None, promote_pv=False, pair_axis=None):
-  """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``.
+                       overlap_pv=None, promote_pv=False, softmax_wgs=1, pair_axis=None):
+  """The kernel, its scratch and its warpgroup count for ``schedule="softmax_wg"``
+  (``softmax_wgs=1``) and ``"two_softmax_wgs"`` (2).
 
-  ``in_place``: the hardware path (wgmma accumulating in place, Q in registers), which GPU
-  interpret mode cannot run. There (``pv="fp8"``) the V^T buffers take the SMEM of Q's
-  content, free once the softmax warpgroup holds Q in registers, which leaves room for a
-  fourth stage. ``overlap_pv`` (``pv="fp8"``, hardware): two V^T buffers per P V
-  warpgroup, so that page i + 1's V^T is built while page i's ``P_q`` is on its way;
-  ``None`` for on wherever it applies and fits (at most ``_OVERLAP_PV_MAX_STAGES``).
-  ``stages``: ``None`` for ``default_stages``. ``pair_axis``: the cluster axis of two CTAs
-  (consecutive row tiles) that share every page: a slot is refilled (by both, each copying
-  half of the page into both rings) once the consumers of both CTAs have released it.
+  ``in_place``: the hardware path (wgmma accumulating in place, Q in registers with one
+  softmax warpgroup), which GPU interpret mode cannot run. There (``pv="fp8"``, one
+  softmax warpgroup) the V^T buffers take the SMEM of Q's content, free once the softmax
+  warpgroup holds Q in registers, which leaves room for a fourth stage. ``overlap_pv``
+  (``pv="fp8"``, hardware): two V^T buffers per P V warpgroup, so that page i + 1's V^T is
+  built while page i's ``P_q`` is on its way; ``None`` for on wherever it applies and fits
+  (``default_stages(..., overlap_pv=True)`` at most). ``stages``: ``None`` for
+  ``default_stages``. ``pair_axis``: the cluster axis of two CTAs (consecutive row tiles)
+  that share every page: a slot is refilled (by both, each copying half of the page into
+  both rings) once the consumers of both CTAs have released it.
   """
-  v_in_q = in_place and pv_impl == "fp8"
-  deeper_ring = (stages or 0) > _OVERLAP_PV_MAX_STAGES
+  q_in_registers = in_place and softmax_wgs == 1
+  v_in_q = q_in_registers and pv_impl == "fp8"
+  max_overlap_stages = default_stages("fp8", v_in_q=v_in_q, overlap_pv=True,
+                                      softmax_wgs=softmax_wgs)
+  deeper_ring = (stages or 0) > max_overlap_stages
   if overlap_pv is None:  # on wherever it applies, unless a deeper ring was asked for
-    overlap_pv = v_in_q and not promote_pv and not deeper_ring
+    overlap_pv = in_place and pv_impl == "fp8" and not promote_pv and not deeper_ring
   elif overlap_pv and deeper_ring:
-    raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {_OVERLAP_PV_MAX_STAGES} "
+    raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {max_overlap_stages} "
                      f"stages, got config.num_stages={stages}")
-  stages = stages or default_stages(pv_impl, v_in_q=v_in_q, overlap_pv=overlap_pv)
+  stages = stages or default_stages(pv_impl, v_in_q=v_in_q, overlap_pv=overlap_pv,
+                                    softmax_wgs=softmax_wgs)
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=scale_log2, causal=causal,
-      num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=in_place,
-      overlap_pv=overlap_pv, promote_pv=promote_pv, pair_axis=pair_axis)
-  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=P_BUFFERS,
+      num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=q_in_registers,
+      overlap_pv=overlap_pv, promote_pv=promote_pv, softmax_wgs=softmax_wgs,
+      pair_axis=pair_axis)
+  p_buffers = P_BUFFERS * softmax_wgs
+  ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=p_buffers,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
-  v_bufs = (v_buf,) * len(PV_WGS)
+  v_bufs = (v_buf,) * NUM_PV_WGS
   if v_in_q:  # groups (e4m3 views of both halves), (u16 views of both halves)
     q_content, v_bufs = plgpu.RefUnion(q_content, *zip(*(v.refs for v in v_bufs))), ()
+  two = softmax_wgs == 2
   scratch = [
       q_content,
       *q_rest,
       *ring,
       v_bufs,
       p_buf,
-      plgpu.SMEM((P_BUFFERS, QUERY_TILE), jnp.float32),
+      plgpu.SMEM((p_buffers, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
+      # (m, l, sigma) after each page, from one softmax warpgroup to the other
+      plgpu.SMEM((p_buffers, 3, QUERY_TILE), jnp.float32) if two else (),
       plgpu.Barrier(num_barriers=3),
-      plgpu.Barrier(num_barriers=3 * stages),
-      # released by the softmax (QK, scales) and both P V warpgroups (V prepared)
-      common.release_barriers(1 + len(PV_WGS), stages, pair_axis),
-      plgpu.Barrier(num_barriers=P_BUFFERS),
-      plgpu.Barrier(num_arrivals=len(PV_WGS), num_barriers=P_BUFFERS),
+      plgpu.Barrier(num_barriers=3 * stages * softmax_wgs),
+      # released by the page's softmax warpgroup (QK, scales) and both P V warpgroups
+      common.release_barriers(1 + NUM_PV_WGS, stages, pair_axis),
+      plgpu.Barrier(num_barriers=p_buffers),
+      plgpu.Barrier(num_arrivals=NUM_PV_WGS, num_barriers=p_buffers),
       plgpu.Barrier() if v_in_q else (),  # Q's SMEM is free
+      plgpu.Barrier(num_barriers=p_buffers) if two else (),  # a page's state is out
   ]
-  return kernel, scratch, 1 + len(PV_WGS)
+  return kernel, scratch, softmax_wgs + NUM_PV_WGS
 
 
 def operand_smem(pv_impl: PvImpl, *, stages: int, p_buffers: int, v_pages: int | None = None):
@@ -640,7 +791,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
-        promote_pv=config.promote_pv, pair_axis=pair_axis, **params)
+        promote_pv=config.promote_pv, softmax_wgs=2 if schedule == "two_softmax_wgs" else 1,
+        pair_axis=pair_axis, **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -691,8 +843,10 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
     config: pipeline knobs; ``None`` picks the defaults (``default_stages``).
     pv: the ``P_q V`` implementation (see the module docstring).
-    schedule: ``"softmax_wg"`` (this module) or ``"seesaw"`` (``mla_decode_fp8_seesaw``:
-      two warpgroups taking turns with the pages; a 2-stage ring; slower so far).
+    schedule: ``"softmax_wg"`` (this module), ``"two_softmax_wgs"`` (this module: two
+      softmax warpgroups taking alternate pages, next to the two P V warpgroups; not yet
+      measured) or ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns
+      with the pages; a 2-stage ring; slower so far).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:
@@ -714,18 +868,18 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   if pv not in ("f16", "fp8"):
     raise ValueError(f'pv must be "f16" or "fp8", got {pv=!r}')
   config = config or TuningConfig()
-  if schedule not in ("softmax_wg", "seesaw"):
-    raise ValueError(f'schedule must be "softmax_wg" or "seesaw", got {schedule=!r}')
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
   if schedule == "seesaw" and config.num_stages not in (None, 2):
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
   if schedule == "seesaw" and config.multicast:
     raise ValueError("schedule='seesaw' does not multicast pages, got config.multicast=True")
-  if config.promote_pv and (pv, schedule) != ("fp8", "softmax_wg"):
-    raise ValueError("config.promote_pv needs pv='fp8' and schedule='softmax_wg', "
+  if config.promote_pv and (pv != "fp8" or schedule == "seesaw"):
+    raise ValueError("config.promote_pv needs pv='fp8' and a schedule other than 'seesaw', "
                      f"got {pv=!r}, {schedule=!r}")
-  if config.overlap_pv and (pv, schedule, bool(interpret)) != ("fp8", "softmax_wg", False):
-    raise ValueError("config.overlap_pv needs pv='fp8', schedule='softmax_wg' and a GPU, "
-                     f"got {pv=!r}, {schedule=!r}, {interpret=}")
+  if config.overlap_pv and (pv != "fp8" or schedule == "seesaw" or interpret):
+    raise ValueError("config.overlap_pv needs pv='fp8', a schedule other than 'seesaw' and "
+                     f"a GPU, got {pv=!r}, {schedule=!r}, {interpret=}")
   return _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
                  config=config, pv=pv, schedule=schedule, interpret=bool(interpret))

@@ -11,18 +11,10 @@ two warpgroups instead of three every thread may hold 255 registers.
 
 The softmax of page ``s`` is taken relative to the page's own row max ``m_loc``, so the
 heavy part (exp2, row sums, the block max of ``P'``) does not wait for page ``s - 1``.
-Only a per-row combine is serial across the two warpgroups: with the state after step
-``s - 1`` (``m, l, sigma``, published in SMEM by the other warpgroup),
-
-    m_s = max(m, m_loc)      alpha = 2^(q (m - m_s))      beta = 2^(q (m_loc - m_s))
-    l_s = l alpha + l_loc beta
-    sigma_s = max(beta pmax_loc / 448, eps)   (sigma if the page's P' is all zero)
-    P_q = e4m3(P'_loc beta / sigma_s)        gamma_s = alpha sigma / sigma_s
-
-which is the emulation's ``P'`` quantization (``P' = P'_loc beta``, block max
-``beta pmax_loc``) up to rounding, and eq. 12-13's rescaling ``acc <- acc gamma_s +
-P_q V`` with ``O = sigma_s acc``. Steps stay in strictly increasing order in each
-warpgroup's accumulator.
+Only a per-row combine (``mla_decode_fp8.combine_page_state``) is serial across the two
+warpgroups, with the state after step ``s - 1`` (``m, l, sigma``, published in SMEM by the
+other warpgroup). Steps stay in strictly increasing order in each warpgroup's
+accumulator.
 
 Measured on the H200 (bench/RESULTS.md, 2026-12-06, 12c9ba8): correct, and slower than
 ``"softmax_wg"`` (0.85x at b32 h128 16k). That version had each warpgroup build its V half
@@ -47,13 +39,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from snapmla_jax import quant
 from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, PvImpl,
-                                               dequantize_v_half, issue_page_copies,
-                                               operand_smem, query_smem, store_p_tile,
-                                               transpose_v_half)
+                                               combine_page_state, dequantize_v_half,
+                                               issue_page_copies, operand_smem, query_smem,
+                                               store_p_tile, transpose_v_half)
 
 NUM_WARPGROUPS = 2
 STAGES = 2   # page t in slot t % 2: a slot's pages all belong to warpgroup t % 2
@@ -184,24 +175,17 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           plgpu.barrier_wait(state_ready.at[prev])
         m_prev, l_prev, sigma_prev = (load_rows(state_smem.at[prev, row])
                                       for row in (_M, _L, _SIGMA))
-        m_new = jnp.maximum(m_prev, m_loc)
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2((m_prev - m_use) * q_scale)
-        beta = jnp.exp2((m_loc - m_use) * q_scale)
-        block_max = p_max * beta
-        has_p = block_max > 0
-        sigma = jnp.where(has_p, jnp.maximum(block_max * quant.INV_E4M3_MAX, quant.SCALE_EPS),
-                          sigma_prev)
+        (m_new, l_new, sigma), beta, gamma = combine_page_state(
+            m_prev, l_prev, sigma_prev, m_loc, l_loc, p_max, q_scale)
 
         # P_q and state buffer ``buf`` were last used by step - 4: released at step - 2.
-        for row, value in ((_M, m_new), (_L, l_prev * alpha + l_loc * beta), (_SIGMA, sigma),
-                           (_GAMMA, alpha * (sigma_prev / sigma))):
+        for row, value in ((_M, m_new), (_L, l_new), (_SIGMA, sigma), (_GAMMA, gamma)):
           state_smem.at[buf, row][...] = value
         plgpu.commit_smem()
         plgpu.barrier_arrive(state_ready.at[buf])
 
       with jax.named_scope("quantize_p"):
-        inv = jnp.where(has_p, beta / sigma, 0.0)
+        inv = jnp.where(p_max > 0, beta / sigma, 0.0)
         p_q = (p_fused * common.row_broadcast(inv, p_fused.shape)).astype(_FP8)
         store_p_tile(p_q, p_smem.at[buf] if pv_impl == "f16" else p16_smem.at[buf], pv_impl)
         plgpu.commit_smem()
