@@ -1,8 +1,9 @@
 """SnapMLA FP8 absorbed-MLA decode on Hopper, in Pallas Mosaic GPU.
 
 One CTA owns a tile of 64 query rows of one sequence and one split of its pages (the grid
-and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; the other,
-``"seesaw"``, is ``mla_decode_fp8_seesaw``) has three warpgroups:
+and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; the others:
+``"two_softmax_wgs"``, below, and ``"seesaw"``, ``mla_decode_fp8_seesaw``) has three
+warpgroups:
 
 * softmax (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma, ``Q_c`` held in registers as its A
   operand) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32 accumulator, restored by
@@ -66,6 +67,11 @@ epsilon.
   de-interleaves the latent dims (column ``n`` of a half holds dim ``2n`` for n < 128,
   ``2(n - 128) + 1`` after), undone by one gather of the merged output.
 
+``schedule="two_softmax_wgs"`` splits the softmax warpgroup's work over two warpgroups
+that take alternate pages (``_kernel``'s ``alternating_softmax_warpgroup``), next to the
+same two P V warpgroups: four warpgroups, whose launch caps a thread at 128 registers;
+the softmax warpgroups give registers up to the P V warpgroups (``set_max_registers``).
+
 Tokens past ``seq_len`` may hold NaN: their scores are masked, their ``P'`` is zeroed and
 their V rows are zeroed before ``P V`` (``0 * NaN`` is NaN).
 """
@@ -105,6 +111,7 @@ P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V (per 
 # P V warpgroup keeps the 168 of three warpgroups for its 64 x 256 f32 accumulator.
 SOFTMAX_REGISTERS = 88
 PV_REGISTERS = 168
+PV_WGMMA_COLUMNS = 128     # ... and no instruction may need more than the launch's 128
 PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
 FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (_decode)
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
@@ -291,6 +298,31 @@ def accumulate_pv_fp8(acc, p_smem, vt_smem):
     return pl.run_scoped(scope, plgpu.ACC((acc.shape[0], PV_CHUNK), jnp.float32))
 
   return jnp.concatenate(issue(0, None), axis=1)
+
+
+def accumulate_pv_in_blocks(acc, p_smem, v_columns, block: int):
+  """``acc + P_q V`` accumulated in place by wgmmas of ``block`` output columns each, on
+  separate accumulators issued back to back (one wait for all).
+
+  ptxas compiles every instruction within the launch's registers per thread (128 for four
+  warpgroups), whatever ``setmaxnreg`` gives the region it is in: a wgmma holding a
+  64 x 256 f32 accumulator (128 registers, 154 with its operands) does not compile there,
+  two of 64 x 128 do.
+
+  Args:
+    acc: f32 ``[64, dims]``.
+    p_smem: ``P_q`` ``[64, 64]``.
+    v_columns: ``v_columns(start, size)``, the wgmma B operand of V's columns
+      ``[start, start + size)``.
+  """
+  starts = range(0, acc.shape[1], block)
+
+  def issue(acc_refs):
+    for start, acc_ref in zip(starts, acc_refs):
+      plgpu.wgmma(acc_ref, p_smem, v_columns(start, block))
+
+  parts = pl.run_state(issue)(tuple(plgpu.ACC.init(acc[:, s:s + block]) for s in starts))
+  return jnp.concatenate(parts, axis=1)
 
 
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
@@ -597,6 +629,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       """``acc + P_q V``, P_q in buffer ``buf``, V's half (f16) or V^T's (fp8) in ``v``."""
       if pv_impl == "fp8" and promote_pv:
         return accumulate_pv_fp8(acc, p_smem.at[buf], v)
+      if in_place and softmax_wgs == 2:
+        def v_columns(start, size):
+          if pv_impl == "f16":
+            return v.at[:, pl.ds(start, size)]
+          return v.at[pl.ds(start, size)].T
+        return accumulate_pv_in_blocks(acc, p_smem.at[buf], v_columns, PV_WGMMA_COLUMNS)
       return common.accumulate_pv(acc, p_smem.at[buf], v if pv_impl == "f16" else v.T,
                                   in_place=in_place)
 
@@ -844,8 +882,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     config: pipeline knobs; ``None`` picks the defaults (``default_stages``).
     pv: the ``P_q V`` implementation (see the module docstring).
     schedule: ``"softmax_wg"`` (this module), ``"two_softmax_wgs"`` (this module: two
-      softmax warpgroups taking alternate pages, next to the two P V warpgroups; not yet
-      measured) or ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns
+      softmax warpgroups taking alternate pages, next to the two P V warpgroups; ptxas
+      does not compile it yet, bench/RESULTS.md) or ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns
       with the pages; a 2-stage ring; slower so far).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
