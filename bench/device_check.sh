@@ -44,25 +44,25 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~4 min) two softmax warpgroups on alternate pages (schedule="two_softmax_wgs",
-         # P V as two 64 x 128 wgmmas so that ptxas compiles it) against the default: time,
-         # registers and spills, then its GPU tests
-    timeout 90 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
+  next)  # (~4 min) the two new schedules against the defaults: BF16 "token_halves" (each
+         # compute warpgroup half of every page's tokens) and FP8 "two_softmax_wgs" (two
+         # softmax warpgroups on alternate pages, P V as 64 x 128 wgmmas); their GPU tests
+    timeout 100 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
       --shapes 32,128,1,16384
-    timeout 50 bash "$0" sass --only fp8-two-softmax-wgs
     grid="seq_lens3 or seq_lens4 or seq_lens5"  # s_q = 2, h128, partial pages
-    timeout 100 bash "$0" tests tests/test_pallas_fp8.py \
-      -k "gpu_vs_emulation and fp8-two_softmax_wgs and ($grid)"
-    status=$? ;;
+    timeout 120 bash "$0" tests tests/test_pallas_bf16.py tests/test_pallas_fp8.py \
+      -k "(gpu_vs_reference and token_halves or gpu_vs_emulation and fp8-two_softmax_wgs) and ($grid)"
+    status=$?
+    timeout 50 bash "$0" sass --only bf16-token-halves,fp8-two-softmax-wgs ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;

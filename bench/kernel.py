@@ -83,6 +83,8 @@ def impls(fp8_config=None):
           q, r, c.latent, bt, sl, softmax_scale=SCALE)),
       "bf16-multicast": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
           q, r, c.latent, bt, sl, softmax_scale=SCALE, config=TuningConfig(multicast=True))),
+      "bf16-token-halves": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
+          q, r, c.latent, bt, sl, softmax_scale=SCALE, schedule="token_halves")),
       "fp8-f16": ("fp8", fp8("f16")),
       "fp8-fp8": ("fp8", fp8("fp8")),
       "fp8-in-order": ("fp8", fp8("fp8", overlap_pv=False)),

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from snapmla_jax.pallas.common import TuningConfig, num_row_tiles
-from snapmla_jax.pallas.mla_decode_bf16 import _decode, mla_decode_bf16
+from snapmla_jax.pallas.mla_decode_bf16 import SCHEDULES, _decode, mla_decode_bf16
 from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
                                  make_poisoned_case, rel_l2)
 from snapmla_jax.reference import mla_decode_reference
@@ -29,12 +29,13 @@ OUT_RTOL = 1e-2
 LSE_ATOL = 2e-3
 
 
-def run_and_check(case, *, s_q, causal=True, config=None, interpret=False):
+def run_and_check(case, *, s_q, causal=True, config=None, schedule="softmax_wg0",
+                  interpret=False):
   bf = lambda x: x.astype(jnp.bfloat16)
   q_nope, q_rope = bf(case.q_nope), bf(case.q_rope)
   out, lse = mla_decode_bf16(q_nope, q_rope, case.caches["bf16"].latent, case.block_table,
                              case.seq_lens, softmax_scale=SCALE, causal=causal,
-                             config=config, interpret=interpret)
+                             config=config, schedule=schedule, interpret=interpret)
   assert out.shape == q_nope.shape and out.dtype == jnp.bfloat16
   assert lse.shape == (q_nope.shape[0], q_nope.shape[2], s_q)
   ckv = bf(case.ckv).astype(jnp.float32)
@@ -56,47 +57,52 @@ def run_and_check(case, *, s_q, causal=True, config=None, interpret=False):
 # Tier 1: GPU interpret mode on CPU (races detected), small shapes.
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("seq_lens,s_q,heads,splits", [
     ([100, 3], 2, 16, None),       # partial pages with NaN tails, s_q = 2 causal
     ([1, 130], 2, 16, 2),          # seq_len 1 at s_q = 2: a row that sees nothing; empty split
     ([64, 200], 1, 48, 3),         # full page, heads off the tile size, 3 splits
 ])
-def test_interpret(seq_lens, s_q, heads, splits):
+def test_interpret(seq_lens, s_q, heads, splits, schedule):
   case = make_case(0, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
-  run_and_check(case, s_q=s_q, config=TuningConfig(num_splits=splits), interpret=True)
+  run_and_check(case, s_q=s_q, config=TuningConfig(num_splits=splits), schedule=schedule,
+                interpret=True)
 
 
 @pytest.mark.timeout(120)
-def test_interpret_two_row_tiles_not_causal():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_interpret_two_row_tiles_not_causal(schedule):
   case = make_case(1, [70], s_q=2, heads=64, kinds=("bf16",))
-  run_and_check(case, s_q=2, causal=False, interpret=True)
+  run_and_check(case, s_q=2, causal=False, schedule=schedule, interpret=True)
 
 
-def check_non_finite_token_poisons_its_sequence(interpret):
+def check_non_finite_token_poisons_its_sequence(interpret, schedule="softmax_wg0"):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN."""
   case, cache = make_poisoned_case("bf16")
   out, _ = mla_decode_bf16(case.q_nope.astype(jnp.bfloat16), case.q_rope.astype(jnp.bfloat16),
                            cache.latent, case.block_table, case.seq_lens, softmax_scale=SCALE,
-                           interpret=interpret)
+                           schedule=schedule, interpret=interpret)
   assert_poisoned_rows(out)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf * 0 in the wgmma
-def test_interpret_non_finite_token_poisons_its_sequence():
-  check_non_finite_token_poisons_its_sequence(interpret=True)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_interpret_non_finite_token_poisons_its_sequence(schedule):
+  check_non_finite_token_poisons_its_sequence(interpret=True, schedule=schedule)
 
 
 # ---------------------------------------------------------------------------------------
 # Tier 2: CUDA lowering on CPU at production shapes.
 
-def lower(batch, s_q, heads, context, config=TuningConfig()):
+def lower(batch, s_q, heads, context, config=TuningConfig(), schedule="softmax_wg0"):
   args = (jax.ShapeDtypeStruct((batch, s_q, heads, 512), jnp.bfloat16),
           jax.ShapeDtypeStruct((batch, s_q, heads, 64), jnp.bfloat16),
           jax.ShapeDtypeStruct((batch * context // 64, 64, 576), jnp.bfloat16),
           jax.ShapeDtypeStruct((batch, context // 64), jnp.int32),
           jax.ShapeDtypeStruct((batch,), jnp.int32))
-  f = lambda *a: _decode(*a, softmax_scale=SCALE, causal=True, config=config, interpret=False)
+  f = lambda *a: _decode(*a, softmax_scale=SCALE, causal=True, config=config,
+                         schedule=schedule, interpret=False)
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -105,6 +111,11 @@ def lower(batch, s_q, heads, context, config=TuningConfig()):
     (32, 1, 128, 16384), (128, 2, 16, 65536), (1, 1, 128, 131072)])
 def test_lowers_for_cuda(batch, s_q, heads, context):
   assert "mosaic_gpu" in lower(batch, s_q, heads, context)
+
+
+@pytest.mark.timeout(300)
+def test_token_halves_lowers_for_cuda():
+  assert "mosaic_gpu" in lower(32, 2, 128, 16384, schedule="token_halves")
 
 
 @pytest.mark.timeout(300)
@@ -128,6 +139,9 @@ def test_rejects_bad_inputs():
                     softmax_scale=SCALE, interpret=True)
   with pytest.raises(ValueError, match="num_stages"):
     TuningConfig(num_stages=1)
+  with pytest.raises(ValueError, match="schedule must be"):
+    mla_decode_bf16(q, r, latent, case.block_table, case.seq_lens, softmax_scale=SCALE,
+                    schedule="fast", interpret=True)
 
 
 def test_needs_hopper_unless_interpreting():
@@ -144,11 +158,12 @@ def test_needs_hopper_unless_interpreting():
 # Tier 3: the H200.
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
-def test_gpu_vs_reference(batch, s_q, heads, seq_lens):
+def test_gpu_vs_reference(batch, s_q, heads, seq_lens, schedule):
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
-  err, lerr = run_and_check(case, s_q=s_q)
-  print(f"bf16 b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e}")
+  err, lerr = run_and_check(case, s_q=s_q, schedule=schedule)
+  print(f"bf16-{schedule} b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 
 @pytest.mark.gpu
@@ -189,5 +204,6 @@ def test_gpu_deterministic():
 
 
 @pytest.mark.gpu
-def test_gpu_non_finite_token_poisons_its_sequence():
-  check_non_finite_token_poisons_its_sequence(interpret=False)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gpu_non_finite_token_poisons_its_sequence(schedule):
+  check_non_finite_token_poisons_its_sequence(interpret=False, schedule=schedule)

@@ -248,22 +248,23 @@ def smem(shape, dtype, swizzle: int | None = 128):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def visible_token_mask(first_token, seq_len, row_tile, *, s_q: int, heads: int, causal: bool):
-  """bool ``[QUERY_TILE, PAGE_SIZE]`` (WGMMA layout): may row r see token first_token + t.
+def visible_token_mask(first_token, seq_len, row_tile, *, s_q: int, heads: int, causal: bool,
+                       tokens: int = PAGE_SIZE):
+  """bool ``[QUERY_TILE, tokens]`` (WGMMA layout): may row r see token first_token + t.
 
   Row ``r`` of tile ``row_tile`` is query ``(row_tile * 64 + r) // heads``; query ``i``
   sees tokens ``<= seq_len - s_q + i`` (causal) or ``< seq_len``. Padding rows see the
   whole sequence, never a token past it.
   """
-  shape = (QUERY_TILE, PAGE_SIZE)
-  tokens = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + first_token
+  shape = (QUERY_TILE, tokens)
+  token = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + first_token
   if causal and s_q > 1:  # with one query per sequence, causal is "< seq_len"
     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     query = (rows + row_tile * QUERY_TILE) // heads
     last = jnp.minimum(seq_len - s_q + query, seq_len - 1)
   else:
     last = seq_len - 1
-  return tokens <= last
+  return token <= last
 
 
 def num_full_pages(seq_len, first_page, num_steps, *, s_q: int, causal: bool):
@@ -274,24 +275,27 @@ def num_full_pages(seq_len, first_page, num_steps, *, s_q: int, causal: bool):
   return jnp.clip(visible_to_all // PAGE_SIZE - first_page, 0, num_steps)
 
 
-def online_softmax_step(t, m_i, l_i, scale, visible=None):
+def online_softmax_step(t, m_i, l_i, scale, visible=None, page_max=None):
   """One page of the online softmax, in the exp2 domain.
 
   Args:
-    t: f32 ``[QUERY_TILE, PAGE_SIZE]`` logits in units where row r's log2-domain logit is
+    t: f32 ``[QUERY_TILE, tokens]`` logits in units where row r's log2-domain logit is
       ``scale[r] * t`` (``scale > 0``), so the scale rides on one FMA per element.
     m_i, l_i: ``[QUERY_TILE]`` the running max (in ``t``'s units) and sum of exponentials.
     scale: ``[QUERY_TILE]`` row scales, or a Python float for every row.
-    visible: bool ``[QUERY_TILE, PAGE_SIZE]``, or None when every row sees every token
+    visible: bool ``[QUERY_TILE, tokens]``, or None when every row sees every token
       (the page then skips the masking).
+    page_max: ``page_max(row max of t)``, the row max over the whole page when ``t`` is a
+      part of it (another warpgroup holds the rest); None: ``t`` is the page.
 
   Returns:
     ``(m_new, alpha, p, l_new)``: ``alpha`` rescales what was summed before this page,
-    ``p = exp2(scale * (t - m_new))`` (0 where not visible).
+    ``p = exp2(scale * (t - m_new))`` (0 where not visible); ``l_new`` sums ``t``'s tokens.
   """
   if visible is not None:
     t = jnp.where(visible, t, -jnp.inf)
-  m_new = jnp.maximum(m_i, t.max(axis=1))
+  row_max = t.max(axis=1)
+  m_new = jnp.maximum(m_i, row_max if page_max is None else page_max(row_max))
   m_use = m_new if visible is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
   row_scale = scale if isinstance(scale, float) else row_broadcast(scale, t.shape)
   alpha = jnp.exp2((m_i - m_use) * scale)

@@ -9,6 +9,13 @@ one split of its pages; three warpgroups (see ``common``):
   ``P`` (bf16) and the row rescale ``alpha`` into SMEM, then ``O[:, :256] += P V``;
 * compute 1 (wg 1): waits for ``P`` and ``alpha``, ``O[:, 256:] += P V``.
 
+With ``schedule="token_halves"`` (FlashMLA's division of the page) both compute warpgroups
+take every page: warpgroup h computes ``S`` for the page's tokens ``[32 h, 32 h + 32)``
+(N = 32), the two exchange their row maxima through SMEM, each writes its half of ``P``,
+and each accumulates ``P V`` over the whole page for its half of the output. QK, which
+is the largest part of warpgroup 0's chain in the default schedule (RESULTS.md), is
+halved on it; two cross-warpgroup barriers a page are the price.
+
 With ``TuningConfig.multicast`` the two CTAs of a sequence's row tiles form a cluster:
 each memory warpgroup copies half of every page and multicasts it into both rings, and a
 slot is refilled once the compute warpgroups of both CTAs released it.
@@ -20,6 +27,7 @@ tail rows of the last page are zeroed in SMEM before ``P V`` (``0 * NaN`` is NaN
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +43,9 @@ LATENT_DIM = CONTENT_DIM + ROPE_DIM
 NUM_COMPUTE_WGS = 2
 MEMORY_WG = NUM_COMPUTE_WGS
 DEFAULT_STAGES = 2   # two 72 KB pages next to the 72 KB query fill the SMEM
+HALF_PAGE = PAGE_SIZE // 2
+Schedule = Literal["softmax_wg0", "token_halves"]
+SCHEDULES = ("softmax_wg0", "token_halves")
 
 
 def _fetch_pages(num_steps, num_stages: int, kv_free, issue_copies) -> None:
@@ -69,7 +80,7 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
             q_smem, kv_smem, p_smem, alpha_smem, lse_smem,    # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,        # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            in_place: bool, pair_axis: str | None):
+            in_place: bool, schedule: Schedule, pair_axis: str | None):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
@@ -82,11 +93,12 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
                               collective_axes=pair_axis)
     _fetch_pages(num_steps, num_stages, kv_free, issue_copies)
 
-  def zero_tail(slot, first_token):
-    """Zeroes the content of tokens ``>= seq_len`` of a partial page (NaN-safe P V)."""
+  def zero_tail(slot, first_token, dims=range(0, CONTENT_DIM, 64)):
+    """Zeroes the content (its 64-column blocks ``dims``) of tokens ``>= seq_len`` of a
+    partial page (NaN-safe P V)."""
     @pl.when(first_token + PAGE_SIZE > seq_len)
     def _():
-      for c in range(0, CONTENT_DIM, 64):
+      for c in dims:
         tile = kv_smem.at[slot, :, c:c + 64]
         tokens = plgpu.broadcasted_iota(jnp.int32, (PAGE_SIZE, 64), 0,
                                         layout=plgpu.Layout.WGMMA) + first_token
@@ -101,11 +113,92 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
     out = acc * common.row_broadcast(inv_l, acc.shape)
     out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
 
+  def load_query(copy: bool):
+    if copy:
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
+
+  def token_half_wg(h: int):
+    """``schedule="token_halves"``: S, the softmax and P of tokens ``[32 h, 32 h + 32)`` of
+    every page, P V over the whole page for output half ``h``. ``alpha_smem`` holds the
+    two warpgroups' row maxima (then their row sums), ``p_smem`` the two halves of P;
+    ``p_ready`` (the maxima are out) and ``p_free`` (P is out) take both warpgroups'
+    arrivals, and both wait for every phase."""
+    plgpu.set_max_registers(232, action="increase")
+    load_query(copy=h == 0)
+    tokens = pl.ds(h * HALF_PAGE, HALF_PAGE)
+
+    def exchange(rows_value):
+      """Publishes this warpgroup's ``[64]`` row values; returns the other's."""
+      alpha_smem.at[h][...] = rows_value
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready)
+      plgpu.barrier_wait(p_ready)
+      return plgpu.load(alpha_smem.at[1 - h], layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def step_fn(step, carry, *, masked: bool):
+      acc, m_i, l_i = carry
+      slot = lax.rem(step, num_stages)
+      first_token = (first_page + step) * PAGE_SIZE
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(kv_ready.at[slot])
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot, tokens].T)
+        return s_ref[...]
+      with jax.named_scope("qk"):
+        s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, HALF_PAGE), jnp.float32))
+      visible = None
+      if masked:
+        visible = common.visible_token_mask(first_token + h * HALF_PAGE, seq_len, row_tile,
+                                            s_q=s_q, heads=heads, causal=causal,
+                                            tokens=HALF_PAGE)
+      with jax.named_scope("softmax"):
+        m_new, alpha, p, l_i = common.online_softmax_step(
+            s, m_i, l_i, scale_log2, visible,
+            page_max=lambda row_max: jnp.maximum(row_max, exchange(row_max)))
+      if masked:  # both warpgroups' QK are done (the exchange): V's tail may go
+        zero_tail(slot, first_token, range(h * HALF_DIM, (h + 1) * HALF_DIM, 64))
+      p_smem.at[:, tokens][...] = p.astype(jnp.bfloat16)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_free)
+      with jax.named_scope("wait_p"):
+        plgpu.barrier_wait(p_free)
+      with jax.named_scope("pv"):
+        acc = common.accumulate_pv(
+            acc * common.row_broadcast(alpha, acc.shape), p_smem,
+            kv_smem.at[slot, :, pl.ds(h * HALF_DIM, HALF_DIM)],
+            in_place=in_place)
+      plgpu.barrier_arrive(kv_free.at[slot])
+      return acc, m_new, l_i
+
+    carry = (common.zero_acc((QUERY_TILE, HALF_DIM)), common.zero_rows(QUERY_TILE, -jnp.inf),
+             common.zero_rows(QUERY_TILE))
+    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
+    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(num_full, num_steps, functools.partial(step_fn, masked=True),
+                                  carry)
+    l_i = l_i + exchange(l_i)  # the other warpgroup read this one's last maxima before P
+    inv_l = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
+    if h == 0:
+      lse_smem[...] = jnp.where(
+          l_i > 0, (m_i * scale_log2 + jnp.log2(jnp.where(l_i > 0, l_i, 1.0))) * common.LN2,
+          -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+    finish(acc, h, inv_l)
+    if h == 0:
+      plgpu.wait_smem_to_gmem(0)
+
+  if schedule == "token_halves":
+    for h in range(NUM_COMPUTE_WGS):
+      pl.when(wg == h)(functools.partial(token_half_wg, h))
+    return
+
   @pl.when(wg == 0)
   def _softmax_wg():
     plgpu.set_max_registers(232, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
+    load_query(copy=True)
 
     def step_fn(step, carry, *, masked: bool):
       """One page; ``masked``: it holds tokens some row may not see (the last pages)."""
@@ -184,9 +277,10 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
     finish(acc, 1, alpha_smem[...])
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "config", "schedule",
+                                             "interpret"))
 def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, causal,
-            config: TuningConfig, interpret: bool):
+            config: TuningConfig, schedule: Schedule = "softmax_wg0", interpret: bool):
   batch, s_q, heads, _ = q_nope.shape
   row_tiles = common.num_row_tiles(s_q, heads)
   padded = row_tiles * QUERY_TILE
@@ -196,25 +290,30 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
   ranges = common.split_page_ranges(jnp.minimum(seq_lens, max_pages * PAGE_SIZE), num_splits)
 
   stages = config.num_stages or DEFAULT_STAGES
+  halves = schedule == "token_halves"
+  # token halves: P's halves are whole tiles (8 x 32) with a 64-byte swizzle, and a wgmma's
+  # operands share their swizzle
+  swizzle = 64 if halves else 128
   grid, pair_axis = common.launch_grid(config, row_tiles, num_splits, batch, interpret)
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
-      num_stages=stages, in_place=not interpret, pair_axis=pair_axis)
+      num_stages=stages, in_place=not interpret, schedule=schedule, pair_axis=pair_axis)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
                 jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
       scratch_types=[
-          common.smem((QUERY_TILE, LATENT_DIM), jnp.bfloat16),
-          common.smem((stages, PAGE_SIZE, LATENT_DIM), jnp.bfloat16),
-          common.smem((QUERY_TILE, PAGE_SIZE), jnp.bfloat16),
-          plgpu.SMEM((QUERY_TILE,), jnp.float32),
+          common.smem((QUERY_TILE, LATENT_DIM), jnp.bfloat16, swizzle),
+          common.smem((stages, PAGE_SIZE, LATENT_DIM), jnp.bfloat16, swizzle),
+          # P and alpha (token halves: both warpgroups' row values)
+          common.smem((QUERY_TILE, PAGE_SIZE), jnp.bfloat16, swizzle),
+          plgpu.SMEM((2, QUERY_TILE) if halves else (QUERY_TILE,), jnp.float32),
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=stages),
           common.release_barriers(NUM_COMPUTE_WGS, stages, pair_axis),  # compute wgs
-          plgpu.Barrier(),
-          plgpu.Barrier(),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS if halves else 1),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS if halves else 1),
       ],
       **grid,
       num_threads=NUM_COMPUTE_WGS + 1,
@@ -228,7 +327,7 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
 def mla_decode_bf16(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array,
                     block_table: jax.Array, seq_lens: jax.Array, *, softmax_scale: float,
                     causal: bool = True, config: TuningConfig | None = None,
-                    interpret: bool = False):
+                    schedule: Schedule = "softmax_wg0", interpret: bool = False):
   """Absorbed-MLA decode over a paged BF16 latent cache (Hopper kernel).
 
   Args:
@@ -240,6 +339,8 @@ def mla_decode_bf16(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array,
     softmax_scale: multiplies the scores.
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
     config: pipeline knobs; ``None`` picks the defaults.
+    schedule: ``"softmax_wg0"`` (warpgroup 0 computes S and P of the whole page) or
+      ``"token_halves"`` (each compute warpgroup half the page's tokens; not yet measured).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:
@@ -254,6 +355,9 @@ def mla_decode_bf16(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array,
   common.check_array("q_rope", q_rope, (batch, s_q, heads, ROPE_DIM), jnp.bfloat16)
   common.check_array("latent", latent, (None, None, LATENT_DIM), jnp.bfloat16)
   common.check_paging(block_table, seq_lens, batch, latent.shape[1])
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
   return _decode(q_nope, q_rope, latent, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
-                 config=config or TuningConfig(), interpret=bool(interpret))
+                 config=config or TuningConfig(), schedule=schedule,
+                 interpret=bool(interpret))
