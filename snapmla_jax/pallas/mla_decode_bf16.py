@@ -14,7 +14,9 @@ take every page: warpgroup h computes ``S`` for the page's tokens ``[32 h, 32 h 
 (N = 32), the two exchange their row maxima through SMEM, each writes its half of ``P``,
 and each accumulates ``P V`` over the whole page for its half of the output. QK, which
 is the largest part of warpgroup 0's chain in the default schedule (RESULTS.md), is
-halved on it; two cross-warpgroup barriers a page are the price.
+halved on it; two cross-warpgroup barriers a page are the price. Correct, and slower
+(0.78x the default on the H200): QK is bound by SMEM bandwidth, and each warpgroup reads
+all of Q for its half of the tokens (RESULTS.md, twelfth session).
 
 With ``TuningConfig.multicast`` the two CTAs of a sequence's row tiles form a cluster:
 each memory warpgroup copies half of every page and multicasts it into both rings, and a
@@ -340,7 +342,7 @@ def mla_decode_bf16(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array,
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
     config: pipeline knobs; ``None`` picks the defaults.
     schedule: ``"softmax_wg0"`` (warpgroup 0 computes S and P of the whole page) or
-      ``"token_halves"`` (each compute warpgroup half the page's tokens; not yet measured).
+      ``"token_halves"`` (each compute warpgroup half the page's tokens; slower so far).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:

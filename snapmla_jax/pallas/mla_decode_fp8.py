@@ -71,6 +71,8 @@ epsilon.
 that take alternate pages (``_kernel``'s ``alternating_softmax_warpgroup``), next to the
 same two P V warpgroups: four warpgroups, whose launch caps a thread at 128 registers;
 the softmax warpgroups give registers up to the P V warpgroups (``set_max_registers``).
+Correct, and slower (0.80x the default on the H200: the softmax warpgroups spill at 88
+registers, and need ~112 to stop; RESULTS.md, twelfth session).
 
 Tokens past ``seq_len`` may hold NaN: their scores are masked, their ``P'`` is zeroed and
 their V rows are zeroed before ``P V`` (``0 * NaN`` is NaN).
@@ -882,8 +884,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     config: pipeline knobs; ``None`` picks the defaults (``default_stages``).
     pv: the ``P_q V`` implementation (see the module docstring).
     schedule: ``"softmax_wg"`` (this module), ``"two_softmax_wgs"`` (this module: two
-      softmax warpgroups taking alternate pages, next to the two P V warpgroups; ptxas
-      does not compile it yet, bench/RESULTS.md) or ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns
+      softmax warpgroups taking alternate pages, next to the two P V warpgroups; 0.80x
+      the default on the H200, its softmax warpgroups spill at 88 registers) or ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns
       with the pages; a 2-stage ring; slower so far).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
