@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~4 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~5 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,25 +44,23 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~4 min) the two new schedules against the defaults: BF16 "token_halves" (each
-         # compute warpgroup half of every page's tokens) and FP8 "two_softmax_wgs" (two
-         # softmax warpgroups on alternate pages, P V as 64 x 128 wgmmas); their GPU tests
-    timeout 100 bash "$0" bench --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast \
-      --shapes 32,128,1,16384
+  next)  # (~5 min) BF16 QK with part of Q from registers (q_register_dims: QK is bound by
+         # SMEM bandwidth) against the default, its GPU tests; then the issues' rows
+    timeout 120 bash "$0" bench --skip xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs \
+      --shapes 32,128,1,16384 128,16,1,16384
     grid="seq_lens3 or seq_lens4 or seq_lens5"  # s_q = 2, h128, partial pages
-    timeout 120 bash "$0" tests tests/test_pallas_bf16.py tests/test_pallas_fp8.py \
-      -k "(gpu_vs_reference and token_halves or gpu_vs_emulation and fp8-two_softmax_wgs) and ($grid)"
+    timeout 100 bash "$0" tests tests/test_pallas_bf16.py -k "gpu_q_in_registers and ($grid)"
     status=$?
-    timeout 50 bash "$0" sass --only bf16-token-halves,fp8-two-softmax-wgs ;;
+    timeout 50 bash "$0" sass --only bf16,bf16-q-regs-128,bf16-q-regs-256 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,bf16-q-regs-128,bf16-q-regs-256
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,bf16-q-regs-128,bf16-q-regs-256 \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;
