@@ -139,7 +139,7 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
     ("m_new, alpha, p, l_new = common.online_softmax_step(s * k_scale, m_i, l_i, q_scale,\n"
      "                                                            visible)",
      "m_new, alpha, p, l_new = m_i, l_i * 0.0 + 1.0, s, l_i"),
-    ("p_fused = p * k_scale\n", "p_fused = p\n"),
+    ("        p_fused = p * k_scale\n", "        p_fused = p\n"),
     ("sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)",
      "sigma, inv_sigma, p_q = sigma_i, sigma_i, p_fused.astype(_FP8)"),
 ]

@@ -116,6 +116,23 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
     out = acc * common.row_broadcast(inv_l, acc.shape)
     out_ref[split, b, rows, pl.ds(half * HALF_DIM, HALF_DIM)] = out
 
+  def run_pages(step_fn):
+    """Runs ``step_fn(step, (acc, m, l), masked=...)`` over the split's pages, the pages
+    every row sees in full unmasked; returns the final ``(acc, m, l)``."""
+    carry = (common.zero_acc((QUERY_TILE, HALF_DIM)), common.zero_rows(QUERY_TILE, -jnp.inf),
+             common.zero_rows(QUERY_TILE))
+    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
+    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
+    return lax.fori_loop(num_full, num_steps, functools.partial(step_fn, masked=True), carry)
+
+  def store_lse(m_i, l_i):
+    """The rows' LSE into ``lse_smem`` (``m_i`` in units of Q K^T) and out to GMEM."""
+    lse_smem[...] = jnp.where(
+        l_i > 0, (m_i * scale_log2 + jnp.log2(jnp.where(l_i > 0, l_i, 1.0))) * common.LN2,
+        -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+
   def load_query(copy: bool):
     if copy:
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
@@ -175,20 +192,11 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc, m_new, l_i
 
-    carry = (common.zero_acc((QUERY_TILE, HALF_DIM)), common.zero_rows(QUERY_TILE, -jnp.inf),
-             common.zero_rows(QUERY_TILE))
-    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
-    acc, m_i, l_i = lax.fori_loop(num_full, num_steps, functools.partial(step_fn, masked=True),
-                                  carry)
+    acc, m_i, l_i = run_pages(step_fn)
     l_i = l_i + exchange(l_i)  # the other warpgroup read this one's last maxima before P
     inv_l = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
     if h == 0:
-      lse_smem[...] = jnp.where(
-          l_i > 0, (m_i * scale_log2 + jnp.log2(jnp.where(l_i > 0, l_i, 1.0))) * common.LN2,
-          -jnp.inf)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+      store_lse(m_i, l_i)
     finish(acc, h, inv_l)
     if h == 0:
       plgpu.wait_smem_to_gmem(0)
@@ -247,24 +255,15 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc, m_new, l_i
 
-    carry = (common.zero_acc((QUERY_TILE, HALF_DIM)), common.zero_rows(QUERY_TILE, -jnp.inf),
-             common.zero_rows(QUERY_TILE))
-    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
-    acc, m_i, l_i = lax.fori_loop(num_full, num_steps, functools.partial(step_fn, masked=True),
-                                  carry)
+    acc, m_i, l_i = run_pages(step_fn)
     inv_l = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
 
     @pl.when(num_steps > 0)
     def _():
       plgpu.barrier_wait(p_free)
     alpha_smem[...] = inv_l                 # the last "step": wg 1 normalizes with it
-    lse_smem[...] = jnp.where(  # m_i is in units of Q K^T: scale_log2 * m_i is the max
-        l_i > 0, (m_i * scale_log2 + jnp.log2(jnp.where(l_i > 0, l_i, 1.0))) * common.LN2,
-        -jnp.inf)
-    plgpu.commit_smem()
+    store_lse(m_i, l_i)                     # (its commit_smem also orders alpha_smem)
     plgpu.barrier_arrive(p_ready)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
     finish(acc, 0, inv_l)
     plgpu.wait_smem_to_gmem(0)
 

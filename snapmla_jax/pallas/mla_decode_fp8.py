@@ -227,6 +227,27 @@ def quantize_p_tile(p_fused, sigma_prev):
   return sigma, inv_sigma, p_q
 
 
+def page_local_softmax(scores, k_scale, q_scale, visible=None):
+  """Page s's softmax relative to its own row max (no wait on page s - 1's state).
+
+  Args:
+    scores: f32 ``[64, 64]``, ``Q K^T`` of the page; ``k_scale`` its token scales broadcast
+      over the rows; ``q_scale`` ``[64]`` the row scales times ``log2(e) * softmax_scale``.
+    visible: bool ``[64, 64]`` or None (every row sees every token).
+  Returns:
+    ``(m_loc, l_loc, P'_loc, p_max)``: the row max of ``t = S * scale_k``, the row sum of
+    ``2^(q (t - m_loc))``, ``P'_loc`` (those exponentials times ``scale_k``, zero where not
+    visible) and its row max; ``combine_page_state`` takes them.
+  """
+  m_loc, _, p, l_loc = common.online_softmax_step(
+      scores * k_scale, common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
+      q_scale, visible)
+  p_fused = p * k_scale
+  if visible is not None:
+    p_fused = jnp.where(visible, p_fused, 0.0)
+  return m_loc, l_loc, p_fused, p_fused.max(axis=1)
+
+
 def combine_page_state(m_prev, l_prev, sigma_prev, m_loc, l_loc, p_max, q_scale):
   """Page s's softmax, taken relative to its own row max, combined with the state after
   page s - 1 (all ``[64]`` rows, logits in units where row r's exp2-domain logit is
@@ -552,14 +573,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       scores = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
       k_scale = page_scale(step)
       with jax.named_scope("softmax"):  # relative to the page's own max
-        visible = visible_tokens(step) if masked else None
-        m_loc, _, p, l_loc = common.online_softmax_step(
-            scores * k_scale, common.zero_rows(QUERY_TILE, -jnp.inf),
-            common.zero_rows(QUERY_TILE), q_scale, visible)
-        p_fused = p * k_scale  # P'_loc
-        if masked:
-          p_fused = jnp.where(visible, p_fused, 0.0)
-        p_max = p_fused.max(axis=1)
+        m_loc, l_loc, p_fused, p_max = page_local_softmax(
+            scores, k_scale, q_scale, visible_tokens(step) if masked else None)
       with jax.named_scope("combine"):
         m_prev, l_prev, sigma_prev = previous_state(step)
         state, beta, gamma = combine_page_state(m_prev, l_prev, sigma_prev, m_loc, l_loc,

@@ -43,8 +43,9 @@ from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, PvImpl,
                                                combine_page_state, dequantize_v_half,
-                                               issue_page_copies, operand_smem, query_smem,
-                                               store_p_tile, transpose_v_half)
+                                               issue_page_copies, operand_smem,
+                                               page_local_softmax, query_smem, store_p_tile,
+                                               transpose_v_half)
 
 NUM_WARPGROUPS = 2
 STAGES = 2   # page t in slot t % 2: a slot's pages all belong to warpgroup t % 2
@@ -157,15 +158,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         if masked:
           visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
                                               heads=heads, causal=causal)
-        # One online-softmax step from the empty state: the page's own max and sum. Logits
-        # in units where row r's log2 logit is q_scale[r] * t.
-        m_loc, _, e, l_loc = common.online_softmax_step(
-            scores * k_scale, common.zero_rows(QUERY_TILE, -jnp.inf),
-            common.zero_rows(QUERY_TILE), q_scale, visible)
-        p_fused = e * k_scale  # P'_loc
-        if masked:
-          p_fused = jnp.where(visible, p_fused, 0.0)
-        p_max = p_fused.max(axis=1)
+        m_loc, l_loc, p_fused, p_max = page_local_softmax(scores, k_scale, q_scale, visible)
 
       with jax.named_scope("combine"):
         prev = lax.rem(step + BUFFERS - 1, BUFFERS)  # step 0: the initial state
