@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~5 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~6 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,13 +44,15 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~5 min) BF16 QK with part of Q from registers (q_register_dims: QK is bound by
-         # SMEM bandwidth) against the default, its GPU tests; then the issues' rows
+  next)  # (~6 min) the defaults' GPU tests after the twelfth session's refactors (hoisted
+         # helpers, barrier sets, run_pages), then BF16 QK with part of Q from registers
+         # (q_register_dims) against the default: time, its GPU tests, registers
+    grid="seq_lens3 or seq_lens4 or seq_lens5"  # s_q = 2, h128, partial pages
+    timeout 150 bash "$0" tests tests/test_pallas_fp8.py tests/test_pallas_bf16.py \
+      -k "(gpu_vs_emulation and fp8-softmax_wg or gpu_vs_reference and softmax_wg0 or gpu_q_in_registers) and ($grid)"
+    status=$?
     timeout 120 bash "$0" bench --skip xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs \
       --shapes 32,128,1,16384 128,16,1,16384
-    grid="seq_lens3 or seq_lens4 or seq_lens5"  # s_q = 2, h128, partial pages
-    timeout 100 bash "$0" tests tests/test_pallas_bf16.py -k "gpu_q_in_registers and ($grid)"
-    status=$?
     timeout 50 bash "$0" sass --only bf16,bf16-q-regs-128,bf16-q-regs-256 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
