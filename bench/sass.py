@@ -8,6 +8,17 @@ barriers). The SASS comes from the cubin in Mosaic's MLIR dump, through ``cuobjd
 (found on PATH or under /usr/local/cuda*/bin; the H200 image has it).
 
   python bench/sass.py --out DIR [--batch 8 --heads 128 --context 2048] [--only fp8-fp8,...]
+
+``--offline`` compiles for a compile-only Hopper device instead (no GPU needed: ahead-of-time
+compilation against ``HOPPER_TARGET_CONFIG``), in an environment with the CUDA plugin and
+its libraries, whose version checks find no driver to check against::
+
+  python -m venv /tmp/cuda && /tmp/cuda/bin/pip install "jax[cuda13]==0.11.2" flax chex
+  JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu PYTHONPATH=. \
+    /tmp/cuda/bin/python bench/sass.py --offline --out /tmp/sass --only fp8-fp8
+
+ptxas's report and the registers then come from the plugin's ptxas (CUDA 13), as on the
+H200; ``cuobjdump`` (on PATH, e.g. from the ``nvidia-cuda-cuobjdump`` wheel) gives the SASS.
 """
 
 from __future__ import annotations
@@ -23,6 +34,23 @@ import subprocess
 import sys
 
 import jax
+
+# XLA's GpuTargetConfig of an sm_90a device (H100 SXM figures; the code generated for the
+# H200 is the same): what ahead-of-time compilation needs to know of the device.
+HOPPER_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84942979072 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
 
 WATCH = ("HGMMA", "QGMMA", "WARPGROUP", "LDSM", "STSM", "LDS", "STS", "LDL", "STL", "LDG",
          "STG", "UTMALDG", "SYNCS", "BAR", "SHFL", "MUFU", "F2FP", "F2F", "I2F", "F2I", "PRMT",
@@ -47,6 +75,14 @@ def capture_fds(path: str):
       os.dup2(saved[1], 2)
       for fd in saved:
         os.close(fd)
+
+
+def compile_only_sharding():
+  """A sharding on a compile-only sm_90a device (``HOPPER_TARGET_CONFIG``)."""
+  from jax.experimental import topologies
+  topology = topologies.get_topology_desc(platform="cuda", topology_name="",
+                                          target_config=HOPPER_TARGET_CONFIG, topology="1x1x1")
+  return jax.sharding.SingleDeviceSharding(topology.devices[0])
 
 
 def extract_cubin(text: str) -> bytes | None:
@@ -93,13 +129,22 @@ def main():
   parser.add_argument("--context", type=int, default=2048)
   parser.add_argument("--out", required=True)
   parser.add_argument("--only", default="", help="comma-separated kernels (default: all)")
+  parser.add_argument("--offline", action="store_true",
+                      help="compile for a compile-only Hopper device (no GPU; see above)")
   args = parser.parse_args()
 
   from bench.kernel import impls, make_inputs
   only = set(filter(None, args.only.split(",")))
   kernels = {k: v for k, v in impls().items()
              if k != "xla-bf16" and (not only or k in only)}
-  q, r, caches, bt, sl = make_inputs(args.batch, args.heads, 1, args.context, {"bf16", "fp8"})
+  inputs = make_inputs(args.batch, args.heads, 1, args.context, {"bf16", "fp8"})
+  if args.offline:
+    from snapmla_jax import platform
+    platform.on_hopper = lambda: True  # the kernels' platform check: the target is one
+    target = compile_only_sharding()
+    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target),
+                          inputs)
+  q, r, caches, bt, sl = inputs
   rows = []
   for name, (kind, f) in kernels.items():
     dump = os.path.join(args.out, name)
@@ -109,7 +154,11 @@ def main():
     failed = None
     with capture_fds(os.path.join(dump, "compile.log")):  # the C++ side prints to fd 1 and 2
       try:
-        jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
+        if args.offline:
+          jax.jit(f).trace(q, r, caches[kind], bt, sl).lower(
+              lowering_platforms=("cuda",)).compile()
+        else:
+          jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
       except Exception as e:  # noqa: BLE001 - a ptxas failure: keep its dumps and log
         failed = f"{type(e).__name__}: {str(e)[:2000]}"
     for key in switches:
