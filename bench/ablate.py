@@ -178,6 +178,14 @@ ABLATIONS["idle_skeleton_one_stage_less"] = (ABLATIONS["idle_skeleton"]
                                              + ABLATIONS["one_stage_less"])
 
 
+# The softmax warpgroup's unmasked pages one an iteration (S's registers rotated by moves)
+# instead of two.
+ABLATIONS["one_page_loop"] = [(
+    "    carry = lax.fori_loop(0, num_full // 2, two_pages, carry)\n"
+    "    carry = lax.fori_loop(num_full // 2 * 2, num_full,",
+    "    carry = lax.fori_loop(0, num_full,")]
+
+
 # The BF16 kernel (issue 3's baseline): is its page-step set by the page feed (72 KB a page
 # on a 2-stage ring) or by warpgroup 0's chain (QK, softmax, P's store, its half of P V)?
 BF16_ABLATIONS = {

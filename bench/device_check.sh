@@ -45,15 +45,17 @@ case $what in
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
   next)  # (~6 min) the defaults' GPU tests after the twelfth session's refactors (hoisted
-         # helpers, barrier sets, run_pages), then BF16 QK with part of Q from registers
-         # (q_register_dims) against the default: time, its GPU tests, registers
+         # helpers, barrier sets, run_pages, two pages an iteration), then BF16 QK with part
+         # of Q from registers (q_register_dims) against the default, its GPU tests; the FP8
+         # softmax loop two pages an iteration against one (registers: sass.py --offline)
     grid="seq_lens3 or seq_lens4 or seq_lens5"  # s_q = 2, h128, partial pages
     timeout 150 bash "$0" tests tests/test_pallas_fp8.py tests/test_pallas_bf16.py \
       -k "(gpu_vs_emulation and fp8-softmax_wg or gpu_vs_reference and softmax_wg0 or gpu_q_in_registers) and ($grid)"
     status=$?
     timeout 120 bash "$0" bench --skip xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs \
       --shapes 32,128,1,16384 128,16,1,16384
-    timeout 50 bash "$0" sass --only bf16,bf16-q-regs-128,bf16-q-regs-256 ;;
+    # the softmax warpgroup's pages two an iteration (fewer moves) against one
+    timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only one_page_loop ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
