@@ -1,11 +1,18 @@
 # make setup: a venv in .venv with the package and its test extras.
 # make demo:  the main job. make test: the CPU test suite (what CI runs).
+# make sass-offline ONLY=fp8-fp8,bf16: ptxas's report and the SASS of the kernels, compiled
+#             for a compile-only Hopper on this CPU (bench/sass.py --offline; a 4 GB venv of
+#             the CUDA plugin in $(CUDA_VENV), made once; the ptxas on PATH comes first).
 PYTHON ?= $(shell for p in $$HOME/.pyenv/versions/3.12.*/bin/python python3.12 python3.13 python3; do \
   $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench-gpu clean
+CUDA_VENV ?= /tmp/snapmla-cuda-venv
+SASS_OUT ?= /tmp/snapmla-sass
+ONLY ?= fp8-fp8
+
+.PHONY: setup demo test sass-offline bench-gpu clean
 
 $(PY):
 	@test -n "$(PYTHON)" || { echo "no Python >= 3.12 found; set PYTHON=..."; exit 1; }
@@ -20,6 +27,16 @@ demo: $(PY)
 
 test: $(PY)
 	$(PY) -m pytest -q
+
+$(CUDA_VENV)/bin/python:
+	@test -n "$(PYTHON)" || { echo "no Python >= 3.12 found; set PYTHON=..."; exit 1; }
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q 'jax[cuda13]==0.11.2' nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm flax chex
+
+sass-offline: $(CUDA_VENV)/bin/python
+	PATH="$$PATH:$$(echo $(CUDA_VENV)/lib/python3*/site-packages/nvidia/cu13/bin)" \
+	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu PYTHONPATH=. \
+	  $(CUDA_VENV)/bin/python bench/sass.py --offline --out $(SASS_OUT) --only $(ONLY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

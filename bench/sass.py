@@ -17,8 +17,10 @@ its libraries, whose version checks find no driver to check against::
   JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu PYTHONPATH=. \
     /tmp/cuda/bin/python bench/sass.py --offline --out /tmp/sass --only fp8-fp8
 
-ptxas's report and the registers then come from the plugin's ptxas (CUDA 13), as on the
-H200; ``cuobjdump`` (on PATH, e.g. from the ``nvidia-cuda-cuobjdump`` wheel) gives the SASS.
+(``make sass-offline`` does both.) Mosaic runs the first ``ptxas`` on PATH: CUDA 13.0's
+(``/usr/local/bin`` here) reproduces the device's reports exactly, the 13.5 of the plugin's
+``nvidia-cuda-nvcc`` wheel does not (the FP8 kernel: 724 B of spill stores against 36 B).
+``cuobjdump`` and ``nvdisasm`` (their ``nvidia-cuda-*`` wheels) give the SASS.
 """
 
 from __future__ import annotations
