@@ -310,6 +310,14 @@ def online_softmax_step(t, m_i, l_i, scale, visible=None, page_max=None):
   return m_new, alpha, p, l_i * alpha + p.sum(axis=1)
 
 
+def row_lse(m_log2, l):
+  """The rows' natural log-sum-exp from the online softmax's state: ``m_log2`` the running
+  max in the exp2 domain (already scaled), ``l`` the sum of ``2^(t - m_log2)``; ``-inf``
+  where the row saw no token (``l == 0``)."""
+  seen = l > 0
+  return jnp.where(seen, (m_log2 + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
+
+
 def row_broadcast(v, shape):
   """``[rows]`` -> ``[rows, cols]``, each row repeating its value."""
   return lax.broadcast_in_dim(v, shape, [0])

@@ -127,11 +127,16 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
 
   def store_lse(m_i, l_i):
     """The rows' LSE into ``lse_smem`` (``m_i`` in units of Q K^T) and out to GMEM."""
-    lse_smem[...] = jnp.where(
-        l_i > 0, (m_i * scale_log2 + jnp.log2(jnp.where(l_i > 0, l_i, 1.0))) * common.LN2,
-        -jnp.inf)
+    lse_smem[...] = common.row_lse(m_i * scale_log2, l_i)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
+
+  def wait_page(step):
+    """Waits for page ``step``; returns its ring slot and first token."""
+    slot = lax.rem(step, num_stages)
+    with jax.named_scope("wait_kv"):
+      plgpu.barrier_wait(kv_ready.at[slot])
+    return slot, (first_page + step) * PAGE_SIZE
 
   def load_query(copy: bool):
     if copy:
@@ -158,10 +163,7 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
 
     def step_fn(step, carry, *, masked: bool):
       acc, m_i, l_i = carry
-      slot = lax.rem(step, num_stages)
-      first_token = (first_page + step) * PAGE_SIZE
-      with jax.named_scope("wait_kv"):
-        plgpu.barrier_wait(kv_ready.at[slot])
+      slot, first_token = wait_page(step)
 
       def qk(s_ref):
         plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot, tokens].T)
@@ -221,10 +223,7 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
     def step_fn(step, carry, *, masked: bool):
       """One page; ``masked``: it holds tokens some row may not see (the last pages)."""
       acc, m_i, l_i = carry
-      slot = lax.rem(step, num_stages)
-      first_token = (first_page + step) * PAGE_SIZE
-      with jax.named_scope("wait_kv"):
-        plgpu.barrier_wait(kv_ready.at[slot])
+      slot, first_token = wait_page(step)
 
       def qk(s_ref):
         for q_part, dims in q_parts:

@@ -460,8 +460,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     def _():
       plgpu.barrier_wait(p_free.at[buf])
     factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
-    lse_smem[...] = jnp.where(
-        seen, (m_i * q_scale + jnp.log2(jnp.where(seen, l_i, 1.0))) * common.LN2, -jnp.inf)
+    lse_smem[...] = common.row_lse(m_i * q_scale, l_i)
     plgpu.commit_smem()
     plgpu.barrier_arrive(p_ready.at[buf])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])

@@ -244,9 +244,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         plgpu.barrier_wait(p_free.at[lax.rem(last - back, BUFFERS)])
 
     if half == 0:
-      lse_smem[...] = jnp.where(
-          seen, (m_fin * q_scale + jnp.log2(jnp.where(seen, l_fin, 1.0))) * common.LN2,
-          -jnp.inf)
+      lse_smem[...] = common.row_lse(m_fin * q_scale, l_fin)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
       plgpu.wait_smem_to_gmem(0)
