@@ -43,10 +43,10 @@ SCALE = 576 ** -0.5
 EMULATE_RTOL = 1e-2
 EMULATE_LSE_ATOL = 2e-3
 F8 = jnp.float8_e4m3fn
-SCHEDULES = ["softmax_wg", "two_softmax_wgs", "seesaw"]
+SCHEDULES = ["softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab"]
 # The (pv, schedule) pairs that fit a Hopper's SMEM: the seesaw's f16 V buffers do not.
 GPU_ROUTES = [("f16", "softmax_wg"), ("fp8", "softmax_wg"), ("fp8", "two_softmax_wgs"),
-              ("fp8", "seesaw")]
+              ("fp8", "seesaw"), ("f16", "swap_ab"), ("fp8", "swap_ab")]
 
 
 def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", schedule="softmax_wg",
@@ -210,6 +210,13 @@ def test_two_softmax_wgs_lowers_for_cuda(overlap_pv):
 @pytest.mark.timeout(300)
 def test_seesaw_lowers_for_cuda():  # one shape: its lowering takes ~20 s on CI's CPU
   assert "mosaic_gpu" in lower(128, 2, 16, 65536, "fp8", "seesaw")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pv", ["f16", "fp8"])
+@pytest.mark.parametrize("batch,s_q,heads", [(128, 1, 16), (64, 2, 16), (32, 1, 64)])
+def test_swap_ab_lowers_for_cuda(batch, s_q, heads, pv):  # query tiles of 16, 32, 64 rows
+  assert "mosaic_gpu" in lower(batch, s_q, heads, 16384, pv, "swap_ab")
 
 
 def test_rejects_bad_inputs():

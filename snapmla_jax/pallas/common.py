@@ -123,8 +123,8 @@ def check_paging(block_table, seq_lens, batch: int, page_size: int) -> None:
     raise NotImplementedError(f"page_size must be {PAGE_SIZE}, got {page_size}")
 
 
-def num_row_tiles(s_q: int, heads: int) -> int:
-  return pl.cdiv(s_q * heads, QUERY_TILE)
+def num_row_tiles(s_q: int, heads: int, tile_rows: int = QUERY_TILE) -> int:
+  return pl.cdiv(s_q * heads, tile_rows)
 
 
 PAIR_AXIS = "pair"
@@ -156,12 +156,13 @@ def release_barriers(num_arrivals: int, num_stages: int, pair_axis: str | None):
                               num_barriers=num_stages)
 
 
-def cta_work(ranges_ref, lens_ref, pair_axis: str | None = None):
+def cta_work(ranges_ref, lens_ref, pair_axis: str | None = None, tile_rows: int = QUERY_TILE):
   """In a kernel: what this CTA works on, from its grid position.
 
   Returns ``(row_tile, split, batch, first_page, num_steps, seq_len, rows)``: the grid
   indices, the split's first page and page count (``ranges_ref``, from
-  ``split_page_ranges``), the sequence's length and the ``pl.ds`` of its query rows.
+  ``split_page_ranges``), the sequence's length and the ``pl.ds`` of its query rows
+  (row tiles of ``tile_rows``).
   With ``pair_axis`` (a cluster axis of size 2), the grid's ``"rows"`` counts pairs of
   row tiles and the CTA owns tile ``2 * rows + pair``.
   """
@@ -170,7 +171,7 @@ def cta_work(ranges_ref, lens_ref, pair_axis: str | None = None):
     row_tile = 2 * row_tile + lax.axis_index(pair_axis)
   first_page = ranges_ref[b, split, 0]
   num_steps = ranges_ref[b, split, 1] - first_page
-  rows = pl.ds(row_tile * QUERY_TILE, QUERY_TILE)
+  rows = pl.ds(row_tile * tile_rows, tile_rows)
   return row_tile, split, b, first_page, num_steps, lens_ref[b], rows
 
 
@@ -256,18 +257,21 @@ def smem(shape, dtype, swizzle: int | None = 128):
 
 
 def visible_token_mask(first_token, seq_len, row_tile, *, s_q: int, heads: int, causal: bool,
-                       tokens: int = PAGE_SIZE):
-  """bool ``[QUERY_TILE, tokens]`` (WGMMA layout): may row r see token first_token + t.
+                       tokens: int = PAGE_SIZE, tile_rows: int = QUERY_TILE,
+                       token_axis: int = 1):
+  """bool ``[tile_rows, tokens]`` (WGMMA layout; ``[tokens, tile_rows]`` with
+  ``token_axis=0``): may row r see token first_token + t.
 
-  Row ``r`` of tile ``row_tile`` is query ``(row_tile * 64 + r) // heads``; query ``i``
-  sees tokens ``<= seq_len - s_q + i`` (causal) or ``< seq_len``. Padding rows see the
-  whole sequence, never a token past it.
+  Row ``r`` of tile ``row_tile`` is query ``(row_tile * tile_rows + r) // heads``; query
+  ``i`` sees tokens ``<= seq_len - s_q + i`` (causal) or ``< seq_len``. Padding rows see
+  the whole sequence, never a token past it.
   """
-  shape = (QUERY_TILE, tokens)
-  token = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + first_token
+  shape = (tile_rows, tokens) if token_axis == 1 else (tokens, tile_rows)
+  token = plgpu.broadcasted_iota(jnp.int32, shape, token_axis,
+                                 layout=plgpu.Layout.WGMMA) + first_token
   if causal and s_q > 1:  # with one query per sequence, causal is "< seq_len"
-    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-    query = (rows + row_tile * QUERY_TILE) // heads
+    rows = plgpu.broadcasted_iota(jnp.int32, shape, 1 - token_axis, layout=plgpu.Layout.WGMMA)
+    query = (rows + row_tile * tile_rows) // heads
     last = jnp.minimum(seq_len - s_q + query, seq_len - 1)
   else:
     last = seq_len - 1
@@ -355,20 +359,21 @@ PROFILE_DIR_ENV = "SNAPMLA_PROFILE_DIR"
 (the ``jax.named_scope`` regions of each warpgroup, ``bench/profile_kernel.py``)."""
 
 
-def compiler_params(auto_barriers: bool = True):
+def compiler_params(auto_barriers: bool = True, reduction_scratch_bytes: int = 0):
   """Mosaic GPU's compiler parameters for the decode kernels.
 
   ``auto_barriers=False`` drops the warpgroup barriers Mosaic puts around SMEM loads and
   stores (``unsafe_no_auto_barriers``): only for a kernel where no thread reads SMEM it
   writes, and every SMEM hand-off goes through ``commit_smem`` (which has its own barrier)
-  or an mbarrier.
+  or an mbarrier. ``reduction_scratch_bytes``: SMEM for reductions across the warps of a
+  warpgroup (none where row reductions stay inside a warp's quad).
   """
-  # No cross-warp reductions (row reductions stay inside a warp's quad): no scratch.
   profile_dir = os.environ.get(PROFILE_DIR_ENV, "")
   # The trace: 256 regions per warpgroup, 16 B each in SMEM (12 KB for three warpgroups;
   # the FP8 kernel takes ~207 KB with V^T ahead, 212 KB in order with 4 stages; 512 did not
   # fit).
-  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+  return plgpu.CompilerParams(approx_math=True,
+                              reduction_scratch_bytes=reduction_scratch_bytes,
                               unsafe_no_auto_barriers=not auto_barriers,
                               profile_space=256 if profile_dir else 0,
                               profile_dir=profile_dir, profile_bounds_check=bool(profile_dir))

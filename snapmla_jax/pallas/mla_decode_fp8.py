@@ -100,8 +100,8 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM, TuningConfig)
 
 PvImpl = Literal["f16", "fp8"]
-Schedule = Literal["softmax_wg", "two_softmax_wgs", "seesaw"]
-SCHEDULES = ("softmax_wg", "two_softmax_wgs", "seesaw")
+Schedule = Literal["softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab"]
+SCHEDULES = ("softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab")
 _FP8 = jnp.float8_e4m3fn
 _U16 = jnp.uint16
 _HALF_PAGE = PAGE_SIZE // 2
@@ -195,24 +195,31 @@ def permute_bytes(a, b, selector: int):
                      return_type=plgpu.ShapeDtypeStruct(a.shape, _U16,
                                                         layout=plgpu.Layout.WGMMA))
   def permute(_, a, b):
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-
-    def as_i32(register):
-      if mgpu_utils.bitwidth(register.type) == 16:
-        return arith.extui(i32, mgpu_utils.bitcast(register, i16))
-      return mgpu_utils.bitcast(register, i32)
-
-    def register(a_reg, b_reg):
-      out = llvm.inline_asm(i32, [as_i32(a_reg), as_i32(b_reg)],
-                            f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r")
-      return mgpu_utils.bitcast(out, ir.VectorType.get((2,), i16))
-
     registers = np.empty(a.registers.shape, dtype=object)
     for index in np.ndindex(registers.shape):
-      registers[index] = register(a.registers[index], b.registers[index])
+      registers[index] = as_u16_pair(prmt(a.registers[index], b.registers[index], selector))
     return mgpu.FragmentedArray(_registers=registers, _layout=a.layout, _is_signed=False)
 
   return permute(a, b)
+
+
+def prmt(a_register, b_register, selector: int):
+  """Inside ``plgpu.inline_mgpu``: PTX ``prmt.b32`` of two registers of a WGMMA-layout
+  array (16-bit registers, e.g. two 8-bit elements, are zero-extended), an i32."""
+  i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+
+  def as_i32(register):
+    if mgpu_utils.bitwidth(register.type) == 16:
+      return arith.extui(i32, mgpu_utils.bitcast(register, i16))
+    return mgpu_utils.bitcast(register, i32)
+
+  return llvm.inline_asm(i32, [as_i32(a_register), as_i32(b_register)],
+                         f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r")
+
+
+def as_u16_pair(register):
+  """An i32 as the register of a u16 WGMMA-layout array (two elements)."""
+  return mgpu_utils.bitcast(register, ir.VectorType.get((2,), ir.IntegerType.get_signless(16)))
 
 
 def quantize_p_tile(p_fused, sigma_prev):
@@ -287,6 +294,30 @@ def store_p_tile(p_q, p_smem, pv_impl: PvImpl):
   else:
     # u16 (r, u) = (P_q[r, u], P_q[r, u + 32]): bytes (a0, b0, a1, b1) of a register pair
     p_smem[...] = permute_bytes(p_q[:, :_HALF_PAGE], p_q[:, _HALF_PAGE:], 0x5140)
+
+
+def finish_rows(final_state, q_scale, num_steps, p_buffers: int, factor_smem, lse_smem,
+                lse_gmem, p_ready, p_free):
+  """The softmax warpgroup's last "step" (``num_steps``): the P V warpgroups normalize with
+  its factor ``sigma / l`` (P buffer ``num_steps % p_buffers``); the LSE goes out.
+
+  Args:
+    final_state: ``(m, l, sigma)`` after the last page, ``[rows]`` each (any layout that
+      ``factor_smem``'s ``[p_buffers, rows]`` and ``lse_smem``'s ``[rows]`` take).
+  """
+  m_i, l_i, sigma_i = final_state
+  seen = l_i > 0
+  buf = lax.rem(num_steps, p_buffers)
+
+  @pl.when(num_steps >= p_buffers)
+  def _():
+    plgpu.barrier_wait(p_free.at[buf])
+  factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
+  lse_smem[...] = common.row_lse(m_i * q_scale, l_i)
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(p_ready.at[buf])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def accumulate_pv_fp8(acc, p_smem, vt_smem):
@@ -450,21 +481,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                                      s_q=s_q, heads=heads, causal=causal)
 
   def finish(final_state, q_scale):
-    """The last "step" (``num_steps``): the P V warpgroups normalize with its factor
-    ``sigma / l``; the LSE goes out. ``final_state``: ``(m, l, sigma)`` after the last page."""
-    m_i, l_i, sigma_i = final_state
-    seen = l_i > 0
-    buf = lax.rem(num_steps, p_buffers)
-
-    @pl.when(num_steps >= p_buffers)
-    def _():
-      plgpu.barrier_wait(p_free.at[buf])
-    factor_smem.at[buf][...] = jnp.where(seen, sigma_i / jnp.where(seen, l_i, 1.0), 0.0)
-    lse_smem[...] = common.row_lse(m_i * q_scale, l_i)
-    plgpu.commit_smem()
-    plgpu.barrier_arrive(p_ready.at[buf])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rows])
-    plgpu.wait_smem_to_gmem(0)
+    finish_rows(final_state, q_scale, num_steps, p_buffers, factor_smem, lse_smem,
+                lse_ref.at[split, b, rows], p_ready, p_free)
 
   def observe_last_releases(owns):
     """Waits for the P buffers' releases that no later page waited for (every phase of a
@@ -836,8 +854,12 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
             softmax_scale, causal, config: TuningConfig, pv: PvImpl, schedule: Schedule,
             interpret: bool):
   batch, s_q, heads, _ = q_content.shape
-  row_tiles = common.num_row_tiles(s_q, heads)
-  padded = row_tiles * QUERY_TILE
+  swap_ab = schedule == "swap_ab"
+  if swap_ab:
+    from snapmla_jax.pallas import mla_decode_fp8_swap_ab
+  tile = mla_decode_fp8_swap_ab.tile_rows(s_q, heads) if swap_ab else QUERY_TILE
+  row_tiles = common.num_row_tiles(s_q, heads, tile)
+  padded = row_tiles * tile
   max_pages = block_table.shape[1]
   num_splits = split_count(batch, row_tiles, max_pages, config, pv)
   qc = common.pack_query_rows(q_content, padded)
@@ -847,9 +869,18 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   params = dict(s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
                 pv_impl=pv, in_place=not interpret)
   grid, pair_axis = common.launch_grid(config, row_tiles, num_splits, batch, interpret)
+  compiler_params = common.compiler_params(auto_barriers=False)
+  out_shape = (num_splits, batch, padded, CONTENT_DIM)
   if schedule == "seesaw":
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
+  elif swap_ab:  # O^T: [splits, batch, 512, rows]; the softmax reduces across warps
+    kernel, scratch, num_warpgroups, _ = mla_decode_fp8_swap_ab.launch(
+        stages=config.num_stages, **params)
+    out_shape = (num_splits, batch, CONTENT_DIM, padded)
+    compiler_params = common.compiler_params(
+        auto_barriers=False,
+        reduction_scratch_bytes=mla_decode_fp8_swap_ab.reduction_scratch_bytes(tile))
   else:
     kernel, scratch, num_warpgroups = _softmax_wg_launch(
         stages=config.num_stages, overlap_pv=config.overlap_pv,
@@ -857,7 +888,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
         pair_axis=pair_axis, **params)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
+      out_type=(jax.ShapeDtypeStruct(out_shape, jnp.float32),
                 jax.ShapeDtypeStruct((num_splits, batch, padded), jnp.float32)),
       scratch_types=scratch,
       **grid,
@@ -865,9 +896,11 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
       thread_name="wg",
       # No thread reads SMEM it writes: V^T, P, the factors and the LSE are written by one
       # warpgroup and read by another (or by wgmma / TMA) behind commit_smem + mbarriers.
-      compiler_params=common.compiler_params(auto_barriers=False),
+      compiler_params=compiler_params,
       interpret=common.interpret_params(interpret),
   )(qc, qs, qr, content, scale, rope, block_table, ranges, seq_lens)
+  if swap_ab:
+    out_parts = jnp.swapaxes(out_parts, 2, 3)
   order = None if pv == "f16" else _FP8_PV_DIM_ORDER
   return common.unpack_outputs(out_parts, lse_parts, s_q, heads, out_dim_order=order)
 
@@ -908,7 +941,9 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     schedule: ``"softmax_wg"`` (this module), ``"two_softmax_wgs"`` (this module: two
       softmax warpgroups taking alternate pages, next to the two P V warpgroups; 0.80x
       the default on the H200, its softmax warpgroups spill at 88 registers) or ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns
-      with the pages; a 2-stage ring; slower so far).
+      with the pages; a 2-stage ring; slower so far) or ``"swap_ab"``
+      (``mla_decode_fp8_swap_ab``: tokens as the wgmma's M, query rows as its N, for
+      narrow query tiles such as 16 heads).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:
@@ -934,14 +969,15 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
   if schedule == "seesaw" and config.num_stages not in (None, 2):
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
-  if schedule == "seesaw" and config.multicast:
-    raise ValueError("schedule='seesaw' does not multicast pages, got config.multicast=True")
-  if config.promote_pv and (pv != "fp8" or schedule == "seesaw"):
-    raise ValueError("config.promote_pv needs pv='fp8' and a schedule other than 'seesaw', "
-                     f"got {pv=!r}, {schedule=!r}")
-  if config.overlap_pv and (pv != "fp8" or schedule == "seesaw" or interpret):
+  if schedule in ("seesaw", "swap_ab") and config.multicast:
+    raise ValueError(f"schedule={schedule!r} does not multicast pages, "
+                     "got config.multicast=True")
+  if config.promote_pv and (pv != "fp8" or schedule in ("seesaw", "swap_ab")):
+    raise ValueError("config.promote_pv needs pv='fp8' and a schedule other than 'seesaw' "
+                     f"and 'swap_ab', got {pv=!r}, {schedule=!r}")
+  if config.overlap_pv and (pv != "fp8" or schedule in ("seesaw", "swap_ab") or interpret):
     raise ValueError("config.overlap_pv needs pv='fp8', a schedule other than 'seesaw' and "
-                     f"a GPU, got {pv=!r}, {schedule=!r}, {interpret=}")
+                     f"'swap_ab' and a GPU, got {pv=!r}, {schedule=!r}, {interpret=}")
   return _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
                  config=config, pv=pv, schedule=schedule, interpret=bool(interpret))

@@ -1,0 +1,406 @@
+"""SnapMLA FP8 decode with the GEMMs' operands swapped, for narrow query tiles.
+
+``mla_decode_fp8(..., schedule="swap_ab")``. The other schedules give the wgmma's M (64)
+to the query rows: with ``s_q * heads = 16`` (DeepSeek-V3's 128 heads over 8 GPUs) three
+quarters of every QK, softmax and P V are padding, and each page costs as much as at
+128 heads. This one computes the transposes, with the tokens as M and the query rows as N
+(``n``: ``s_q * heads`` rounded up to 16, 32 or 64; wider queries take several tiles):
+
+* ``S^T = K_c Q_c^T + K_r' Q_r'^T`` (``[64 tokens, n]``): the page's content (E4M3) and
+  pre-scaled RoPE (BF16) are the A operands straight from the ring, Q the B operand;
+* the online softmax runs down S^T's columns: a column's max and the block max of
+  ``P'`` are reductions across the four warps (through SMEM); the row sums ``l`` stay
+  per (token slot, row) in registers until the end;
+* ``O^T += V^T P^T`` (``[256 dims, n]`` per P V warpgroup): on ``pv="fp8"`` V^T is the A
+  operand (built in SMEM as the default schedule builds it, tokens paired as P is) and
+  ``P_q`` (``[n, 64]``, tokens contiguous) the B; on ``pv="f16"`` V (dequantized) and
+  ``P_q^T`` are 16-bit, which wgmma reads in either major order.
+
+The warpgroups are the default schedule's: softmax (wg 0) hands ``P_q`` and the column
+factor to two P V warpgroups (wg 1, 2: output dims ``[256 h, 256 h + 256)``), wg 1 refills
+the ring. P' quantization, eq. 12-13's rescaling and the masking are the default's
+(``mla_decode_fp8``), so ``reference.snapmla_emulate`` is the oracle for both.
+
+Token order on ``pv="fp8"``: the 8-bit B operand must hold each query row's 64 bytes of
+``P_q`` contiguous, but a thread holds S^T's tokens ``16 w + i`` and ``16 w + i + 8``
+(warp w, lane i // 4) of its columns. So both operands use the token order
+``k = 16 g + 2 i + b  <->  token 16 g + i + 8 b`` (``i < 8``): a thread packs its two
+tokens of a column into one u16 of ``P_q`` (``store_p_columns``), and V^T's build pairs
+the transposed page's 8-token column groups ``2 g`` and ``2 g + 1`` (``pair_column_groups``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm
+
+from snapmla_jax import quant
+from snapmla_jax.pallas import common
+from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_TILE,
+                                       ROPE_DIM)
+from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U16,
+                                               NUM_PV_WGS, P_BUFFERS, PvImpl, as_u16_pair,
+                                               dequantize_v_half, finish_rows,
+                                               issue_page_copies, prmt)
+
+SMEM_BYTES = 225 * 1024   # of the 227 KB: the rest for barriers and the reduction scratch
+MAX_STAGES = 4
+P_SWIZZLE = 64            # pv="fp8": P_q's rows (and V^T's) are 64 bytes
+
+
+def tile_rows(s_q: int, heads: int) -> int:
+  """The query rows of a CTA (the wgmma N): ``s_q * heads`` rounded up to 16, 32 or 64
+  (``pv="f16"`` swizzles ``P_q^T``'s rows of ``2 n`` bytes)."""
+  return next(n for n in (16, 32, QUERY_TILE) if n >= min(s_q * heads, QUERY_TILE))
+
+
+def pair_column_groups(x, selector: int):
+  """u16 ``[rows, cols / 2]`` (WGMMA layout) whose 8-column group g holds ``prmt`` of
+  ``x``'s groups ``2 g`` and ``2 g + 1``: register by register, ``prmt.b32 d, a, b,
+  selector`` with ``a`` from group 2g and ``b`` from group 2g + 1 (``permute_bytes``).
+
+  Args:
+    x: u16 ``[rows, cols]`` in the WGMMA layout, ``cols`` a multiple of 16.
+  """
+  rows, cols = x.shape
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct((rows, cols // 2), _U16,
+                                                        layout=plgpu.Layout.WGMMA))
+  def pair(_, x):
+    registers = x.registers  # [row tiles, column groups, ...]
+    out = np.empty((registers.shape[0], registers.shape[1] // 2, *registers.shape[2:]),
+                   dtype=object)
+    for index in np.ndindex(out.shape):
+      row_tile, group, *rest = index
+      out[index] = as_u16_pair(prmt(registers[(row_tile, 2 * group, *rest)],
+                                    registers[(row_tile, 2 * group + 1, *rest)], selector))
+    return mgpu.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=False)
+
+  return pair(x)
+
+
+def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, masked: bool):
+  """``vt16_smem``: one half of a page's V^T (``pv="fp8"``) in this module's token order.
+
+  Args:
+    page16_smem: u16 ``[64, 256]`` view of one page's e4m3 content ``[64, 512]``.
+    vt16_smem: u16 ``[256, 32]`` view of the e4m3 V^T half ``[256, 64]``: row ``n`` holds
+      latent dim ``2 n`` of the half's 128-dim chunk for ``n < 128``, ``2 (n - 128) + 1``
+      after (``mla_decode_fp8``'s order), column ``k`` token ``16 g + i + 8 b`` for
+      ``k = 16 g + 2 i + b``.
+    masked: zero the tokens ``>= seq_len`` (the page may hold NaN there).
+  """
+  for chunk in range(2):  # 128 latent dims = 64 u16 columns each
+    cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
+    # [dim pairs, tokens]: a register holds two adjacent tokens' bytes of two dims
+    pairs = plgpu.load(page16_smem.at[:, cols].T, layout=plgpu.Layout.WGMMA)
+    if masked:
+      token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1,
+                                     layout=plgpu.Layout.WGMMA) + first_token
+      pairs = jnp.where(token < seq_len, pairs, jnp.zeros_like(pairs))
+    # bytes (V[t, 2j], V[t + 8, 2j], V[t + 1, 2j], V[t + 9, 2j]) of t = 16 g + 2 (lane % 4)
+    vt16_smem.at[pl.ds(chunk * 64, 64)][...] = pair_column_groups(pairs, 0x6240)
+    vt16_smem.at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = pair_column_groups(pairs, 0x7351)
+
+
+def store_p_columns(p_q, p16_smem):
+  """``P_q^T`` (e4m3 ``[64 tokens, n]``, WGMMA layout) into ``p16_smem``, the u16
+  ``[n, 32]`` view of the e4m3 ``[n, 64]`` wgmma B operand (swizzle 64), in this module's
+  token order: u16 ``(r, 8 w + i)`` holds ``(P_q^T[16 w + i, r], P_q^T[16 w + i + 8, r])``,
+  the two tokens of column r that thread (warp w, lane 4 i + q) holds. One ``prmt`` and
+  two 16-bit stores per register pair; no layout of Mosaic GPU's stores puts them there."""
+  n = p_q.shape[1]
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,
+                                plgpu.RefType(common.tile_transforms(_U16, P_SWIZZLE))))
+  def store(_, p_q, p16_smem):
+    i32, i16 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(16)
+    c = lambda v: arith.constant(i32, v)
+    base = mgpu_utils.memref_ptr(p16_smem)
+    thread = arith.remui(mgpu_utils.thread_idx(), c(128))
+    warp, lane = arith.divui(thread, c(32)), arith.remui(thread, c(32))
+    # byte (r, k) of the [n, 64] tile sits at 64 r + k, its 16-byte chunk XOR (r // 2) % 4
+    token_byte = arith.addi(arith.muli(warp, c(16)), arith.muli(arith.divui(lane, c(4)), c(2)))
+    quad = arith.remui(lane, c(4))
+    registers = p_q.registers  # [1, n / 8 column groups, 1, 1, 2 row halves, ...]
+    for group in range(n // 8):
+      row = arith.addi(c(8 * group), arith.muli(quad, c(2)))  # rows r and r + 1
+      swizzle = arith.shli(arith.andi(arith.shrui(row, c(1)), c(3)), c(4))
+      offset = arith.xori(arith.addi(arith.muli(row, c(64)), token_byte), swizzle)
+      low, high = (registers[(0, group, 0, 0, h, *([0] * (registers.ndim - 5)))]
+                   for h in range(2))
+      word = prmt(low, high, 0x5140)  # (P[t, r], P[t + 8, r], P[t, r + 1], P[t + 8, r + 1])
+      for part in range(2):
+        value = arith.trunci(i16, arith.shrui(word, c(16 * part)) if part else word)
+        address = mgpu_utils.getelementptr(
+            base, [arith.addi(offset, c(64 * part))], ir.IntegerType.get_signless(8))
+        llvm.store(value, address)
+
+  store(p_q, p16_smem)
+
+
+def smem_plan(n: int, pv_impl: PvImpl, num_stages: int | None):
+  """``(stages, v_pages)``: the ring's depth and V buffers per P V warpgroup (2: V^T of
+  page i + 1 built while page i's ``P_q`` is on its way; f16 V halves take one)."""
+  page = PAGE_SIZE * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
+  query = n * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
+  p_bytes = 1 if pv_impl == "fp8" else 2
+  v_pages = 2 if pv_impl == "fp8" else 1
+  fixed = (query + P_BUFFERS * n * PAGE_SIZE * p_bytes
+           + NUM_PV_WGS * v_pages * HALF_DIM * PAGE_SIZE * p_bytes)
+  fits = min(MAX_STAGES, (SMEM_BYTES - fixed) // page)
+  if num_stages is not None and num_stages > fits:
+    raise ValueError(f"schedule='swap_ab' with {n} query rows a tile fits at most {fits} "
+                     f"stages, got config.num_stages={num_stages}")
+  return num_stages or fits, v_pages
+
+
+def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
+            lens_ref,                                            # inputs (GMEM)
+            out_ref, lse_ref,                                    # outputs (GMEM)
+            qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v_smem, p_smem,
+            factor_smem, lse_smem,                               # SMEM
+            q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
+            *, s_q: int, heads: int, n: int, scale_log2: float, causal: bool,
+            num_stages: int, v_pages: int, pv_impl: PvImpl, in_place: bool):
+  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
+      ranges_ref, lens_ref, tile_rows=n)
+  wg = lax.axis_index("wg")
+  if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
+    (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
+    v_smem, vt16_smem = zip(*v_smem)
+  token_layout = plgpu.Layout.WGMMA.reduce(1)  # [64]: along S^T's rows
+  query_layout = plgpu.Layout.WGMMA.reduce(0)  # [n]: along its columns
+  shape = (PAGE_SIZE, n)
+
+  def columns(v, m=PAGE_SIZE):
+    """``[n]`` -> ``[m, n]``, each column repeating its value."""
+    return lax.broadcast_in_dim(v, (m, n), [1])
+
+  def kv_bar(step, which):
+    return kv_ready.at[lax.rem(step, num_stages) * 3 + which]
+
+  def softmax_warpgroup():
+    for i, (src, dst) in enumerate(((qc_ref, qc_smem), (qs_ref, qs_smem), (qr_ref, qr_smem))):
+      plgpu.copy_gmem_to_smem(src.at[b, rows], dst, q_bar.at[i])
+    for i in range(3):
+      plgpu.barrier_wait(q_bar.at[i])
+    q_scale = plgpu.load(qs_smem, layout=query_layout) * scale_log2
+
+    def issue_qk(step, s_ref):
+      """Starts ``S^T = K_c Q_c^T + K_r' Q_r'^T`` of page ``step`` (async wgmma)."""
+      slot = lax.rem(step, num_stages)
+      for which in (_CONTENT, _ROPE):
+        plgpu.barrier_wait(kv_bar(step, which))
+      plgpu.wgmma(s_ref, kc_smem.at[slot], qc_smem.T)
+      plgpu.wgmma(s_ref, kr_smem.at[slot], qr_smem.T)
+
+    def page_scale(step):
+      """Page ``step``'s token scales down S^T's rows; releases the slot (its QK is done)."""
+      slot = lax.rem(step, num_stages)
+      plgpu.barrier_wait(kv_bar(step, _SCALE))
+      k_scale = plgpu.load(ks_smem.at[slot], layout=token_layout)
+      plgpu.barrier_arrive(kv_free.at[slot])
+      return lax.broadcast_in_dim(k_scale, shape, [0])
+
+    def hand_off_p(step, p_q, factor):
+      buf = lax.rem(step, P_BUFFERS)
+
+      @pl.when(step >= P_BUFFERS)
+      def _():
+        plgpu.barrier_wait(p_free.at[buf])
+      if pv_impl == "f16":
+        p_smem.at[buf][...] = p_q.astype(jnp.float16)
+      else:
+        store_p_columns(p_q, p16_smem.at[buf])
+      factor_smem.at[buf][...] = factor
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready.at[buf])
+
+    def step_fn(step, carry, *, masked: bool):
+      """Page ``step``'s online-softmax step (as ``mla_decode_fp8``'s, down the columns),
+      under the next page's QK. ``l_part``: the exponentials summed per token slot."""
+      s, m_i, l_part, sigma_i = carry
+
+      def softmax_under_next_qk(s_next_ref):
+        k_scale = page_scale(step)
+
+        @pl.when(step + 1 < num_steps)
+        def _():
+          issue_qk(step + 1, s_next_ref)
+        t = s * k_scale
+        if masked:
+          visible = common.visible_token_mask(
+              (first_page + step) * PAGE_SIZE, seq_len, row_tile, s_q=s_q, heads=heads,
+              causal=causal, tile_rows=n, token_axis=0)
+          t = jnp.where(visible, t, -jnp.inf)
+        m_new = jnp.maximum(m_i, t.max(axis=0))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2((m_i - m_use) * q_scale)
+        p = jnp.exp2(t * columns(q_scale) - columns(m_use * q_scale))
+        p_fused = p * k_scale  # P' = P * scale_k, one scale per (query row, page)
+        if masked:
+          p_fused = jnp.where(visible, p_fused, 0.0)
+        p_max = p_fused.max(axis=0)
+        sigma = jnp.where(p_max > 0,
+                          jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
+        inv_sigma = 1.0 / sigma
+        p_q = (p_fused * columns(inv_sigma)).astype(_FP8)
+        hand_off_p(step, p_q, alpha * sigma_i * inv_sigma)
+        return s_next_ref[...], m_new, l_part * columns(alpha) + p, sigma
+
+      return pl.run_scoped(softmax_under_next_qk, plgpu.ACC(shape, jnp.float32))
+
+    def first_scores(s_ref):
+      @pl.when(num_steps > 0)
+      def _():
+        issue_qk(0, s_ref)
+      return s_ref[...]
+
+    def full(value):
+      return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), query_layout)
+
+    carry = (pl.run_scoped(first_scores, plgpu.ACC(shape, jnp.float32)), full(-jnp.inf),
+             plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA), full(1.0))
+    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
+    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
+    _, m_i, l_part, sigma_i = lax.fori_loop(num_full, num_steps,
+                                            functools.partial(step_fn, masked=True), carry)
+    finish_rows((m_i, l_part.sum(axis=0), sigma_i), q_scale, num_steps, P_BUFFERS,
+                factor_smem, lse_smem, lse_ref.at[split, b, rows], p_ready, p_free)
+    for back in range(P_BUFFERS - 1, 0, -1):  # releases no later page waited for
+      @pl.when(num_steps - back >= 0)
+      def _():
+        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, P_BUFFERS)])
+
+  def pv_warpgroup(half: int):
+    issues_copies = half == 0
+    if issues_copies:
+      for step in range(num_stages):
+        @pl.when(step < num_steps)
+        def _():
+          issue_copies(step, step)
+
+    def prepare_page(step, parity):
+      """Waits for page ``step``, prepares its V half into buffer ``parity``, releases the
+      page's slot and (warpgroup 1) refills it."""
+      slot = lax.rem(step, num_stages)
+      first_token = (first_page + step) * PAGE_SIZE
+      plgpu.barrier_wait(kv_bar(step, _CONTENT))
+      for masked in (False, True):  # only a partial page is masked
+        @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
+        def _():
+          if pv_impl == "f16":
+            dequantize_v_half(kc_smem.at[slot], v_smem[half].at[parity], half, first_token,
+                              seq_len, masked)
+          else:
+            transpose_v_half(kc16_smem.at[slot], vt16_smem[half].at[parity], half,
+                             first_token, seq_len, masked)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(kv_free.at[slot])
+      if issues_copies:
+        @pl.when(step + num_stages < num_steps)
+        def _():
+          plgpu.barrier_wait(kv_free.at[slot])
+          issue_copies(step + num_stages, slot)
+
+    def step_fn(step, acc):
+      """Page ``step``'s ``O^T += V^T P^T``, after preparing page ``step + 1`` (two V
+      buffers) or page ``step`` (one)."""
+      parity = lax.rem(step, v_pages)  # traced also for one buffer (run_state's operands)
+      if v_pages == 2:
+        @pl.when(step + 1 < num_steps)
+        def _():
+          prepare_page(step + 1, 1 - parity)
+      else:
+        prepare_page(step, parity)
+      buf = lax.rem(step, P_BUFFERS)
+      plgpu.barrier_wait(p_ready.at[buf])
+      acc = acc * columns(plgpu.load(factor_smem.at[buf], layout=query_layout), HALF_DIM)
+      v = v_smem[half].at[parity]
+      if pv_impl == "f16":  # V [64 tokens, 256] and P_q^T [64 tokens, n]
+        acc = common.accumulate_pv(acc, v.T, p_smem.at[buf], in_place=in_place)
+      else:  # V^T [256, 64 tokens] and P_q [n, 64 tokens]
+        acc = common.accumulate_pv(acc, v, p_smem.at[buf].T, in_place=in_place)
+      plgpu.barrier_arrive(p_free.at[buf])
+      return acc
+
+    if v_pages == 2:
+      @pl.when(num_steps > 0)
+      def _():
+        prepare_page(0, 0)
+    acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((HALF_DIM, n)))
+    if issues_copies:  # observe the releases of the last pages, which it did not refill
+      for back in range(num_stages, 0, -1):
+        @pl.when(num_steps - back >= 0)
+        def _():
+          plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
+    buf = lax.rem(num_steps, P_BUFFERS)
+    plgpu.barrier_wait(p_ready.at[buf])
+    out = acc * columns(plgpu.load(factor_smem.at[buf], layout=query_layout), HALF_DIM)
+    out_ref[split, b, pl.ds(half * HALF_DIM, HALF_DIM), rows] = out
+
+  def issue_copies(step, slot):
+    issue_page_copies((content_ref, scale_ref, rope_ref), (kc_smem, ks_smem, kr_smem),
+                      bt_ref[b, first_page + step], slot, kv_ready)
+
+  pl.when(wg == 0)(softmax_warpgroup)
+  for half in range(NUM_PV_WGS):
+    pl.when(wg == 1 + half)(functools.partial(pv_warpgroup, half))
+
+
+def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
+           in_place: bool, stages: int | None):
+  """``(kernel, scratch, warpgroups, n)`` of ``schedule="swap_ab"`` (``n``: its tile's
+  query rows); the kernel writes ``out`` as ``[splits, batch, 512, rows]``."""
+  n = tile_rows(s_q, heads)
+  stages, v_pages = smem_plan(n, pv_impl, stages)
+  kernel = functools.partial(_kernel, s_q=s_q, heads=heads, n=n, scale_log2=scale_log2,
+                             causal=causal, num_stages=stages, v_pages=v_pages,
+                             pv_impl=pv_impl, in_place=in_place)
+  content = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
+  if pv_impl == "f16":  # both operands of P V share a swizzle: P_q^T's rows are 2n bytes
+    swizzle = min(128, 2 * n)
+    v = common.smem((v_pages, PAGE_SIZE, HALF_DIM), jnp.float16, swizzle=swizzle)
+    p = common.smem((P_BUFFERS, PAGE_SIZE, n), jnp.float16, swizzle=swizzle)
+  else:
+    content = plgpu.RefUnion(content,
+                             common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
+    v = plgpu.RefUnion(common.smem((v_pages, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
+                       common.smem((v_pages, HALF_DIM, PAGE_SIZE // 2), _U16, swizzle=64))
+    p = plgpu.RefUnion(common.smem((P_BUFFERS, n, PAGE_SIZE), _FP8, swizzle=P_SWIZZLE),
+                       common.smem((P_BUFFERS, n, PAGE_SIZE // 2), _U16, swizzle=P_SWIZZLE))
+  scratch = [
+      common.smem((n, CONTENT_DIM), _FP8),
+      plgpu.SMEM((n,), jnp.float32),
+      common.smem((n, ROPE_DIM), jnp.bfloat16),
+      content,
+      plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
+      common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
+      (v,) * NUM_PV_WGS,
+      p,
+      plgpu.SMEM((P_BUFFERS, n), jnp.float32),
+      plgpu.SMEM((n,), jnp.float32),
+      plgpu.Barrier(num_barriers=3),
+      plgpu.Barrier(num_barriers=3 * stages),
+      plgpu.Barrier(num_arrivals=1 + NUM_PV_WGS, num_barriers=stages),
+      plgpu.Barrier(num_barriers=P_BUFFERS),
+      plgpu.Barrier(num_arrivals=NUM_PV_WGS, num_barriers=P_BUFFERS),
+  ]
+  return kernel, scratch, 1 + NUM_PV_WGS, n
+
+
+def reduction_scratch_bytes(n: int) -> int:
+  """SMEM for the softmax's reductions across warps: 1 KB per 8 columns of S^T."""
+  return 128 * n
