@@ -219,6 +219,12 @@ def test_swap_ab_lowers_for_cuda(batch, s_q, heads, pv):  # query tiles of 16, 3
   assert "mosaic_gpu" in lower(batch, s_q, heads, 16384, pv, "swap_ab")
 
 
+@pytest.mark.timeout(300)
+def test_swap_ab_vt_registers_lowers_for_cuda():
+  config = TuningConfig(vt_registers=True)
+  assert "mosaic_gpu" in lower(128, 1, 16, 16384, "fp8", "swap_ab", config=config)
+
+
 def test_rejects_bad_inputs():
   case = make_case(0, [10], kinds=("fp8",))
   cache = case.caches["fp8"]

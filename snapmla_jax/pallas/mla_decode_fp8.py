@@ -876,7 +876,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   elif swap_ab:  # O^T: [splits, batch, 512, rows]; the softmax reduces across warps
     kernel, scratch, num_warpgroups, _ = mla_decode_fp8_swap_ab.launch(
-        stages=config.num_stages, **params)
+        stages=config.num_stages, vt_registers=config.vt_registers, **params)
     out_shape = (num_splits, batch, CONTENT_DIM, padded)
     compiler_params = common.compiler_params(
         auto_barriers=False,
@@ -978,6 +978,9 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   if config.overlap_pv and (pv != "fp8" or schedule in ("seesaw", "swap_ab") or interpret):
     raise ValueError("config.overlap_pv needs pv='fp8', a schedule other than 'seesaw' and "
                      f"'swap_ab' and a GPU, got {pv=!r}, {schedule=!r}, {interpret=}")
+  if config.vt_registers and (pv != "fp8" or schedule != "swap_ab" or interpret):
+    raise ValueError("config.vt_registers needs pv='fp8', schedule='swap_ab' and a GPU, "
+                     f"got {pv=!r}, {schedule=!r}, {interpret=}")
   return _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
                  config=config, pv=pv, schedule=schedule, interpret=bool(interpret))

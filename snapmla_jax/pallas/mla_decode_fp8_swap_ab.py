@@ -54,7 +54,7 @@ from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U
                                                issue_page_copies, prmt)
 
 SMEM_BYTES = 225 * 1024   # of the 227 KB: the rest for barriers and the reduction scratch
-MAX_STAGES = 4
+MAX_STAGES = 5
 P_SWIZZLE = 64            # pv="fp8": P_q's rows (and V^T's) are 64 bytes
 
 
@@ -64,30 +64,65 @@ def tile_rows(s_q: int, heads: int) -> int:
   return next(n for n in (16, 32, QUERY_TILE) if n >= min(s_q * heads, QUERY_TILE))
 
 
-def pair_column_groups(x, selector: int):
+def pair_column_groups(x, selector: int, *, as_e4m3: bool = False):
   """u16 ``[rows, cols / 2]`` (WGMMA layout) whose 8-column group g holds ``prmt`` of
   ``x``'s groups ``2 g`` and ``2 g + 1``: register by register, ``prmt.b32 d, a, b,
   selector`` with ``a`` from group 2g and ``b`` from group 2g + 1 (``permute_bytes``).
+  ``as_e4m3``: the same registers as e4m3 ``[rows, cols]`` in the WGMMA_8BIT layout (a
+  lane's 4 bytes of a 16-byte group are the 2 u16 of its WGMMA-layout register), a
+  wgmma A operand.
 
   Args:
     x: u16 ``[rows, cols]`` in the WGMMA layout, ``cols`` a multiple of 16.
   """
   rows, cols = x.shape
+  if as_e4m3:
+    out_type = plgpu.ShapeDtypeStruct((rows, cols), _FP8, layout=plgpu.Layout.WGMMA_8BIT)
+  else:
+    out_type = plgpu.ShapeDtypeStruct((rows, cols // 2), _U16, layout=plgpu.Layout.WGMMA)
 
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                     return_type=plgpu.ShapeDtypeStruct((rows, cols // 2), _U16,
-                                                        layout=plgpu.Layout.WGMMA))
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out_type)
   def pair(_, x):
     registers = x.registers  # [row tiles, column groups, ...]
     out = np.empty((registers.shape[0], registers.shape[1] // 2, *registers.shape[2:]),
                    dtype=object)
+    e4m3x4 = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
     for index in np.ndindex(out.shape):
       row_tile, group, *rest = index
-      out[index] = as_u16_pair(prmt(registers[(row_tile, 2 * group, *rest)],
-                                    registers[(row_tile, 2 * group + 1, *rest)], selector))
+      word = prmt(registers[(row_tile, 2 * group, *rest)],
+                  registers[(row_tile, 2 * group + 1, *rest)], selector)
+      out[index] = mgpu_utils.bitcast(word, e4m3x4) if as_e4m3 else as_u16_pair(word)
+    if as_e4m3:
+      layout = mgpu.WGMMA_LAYOUT_8BIT
+      assert out.shape == layout.registers_shape((rows, cols)), out.shape
+      return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
     return mgpu.FragmentedArray(_registers=out, _layout=x.layout, _is_signed=False)
 
   return pair(x)
+
+
+def transposed_pairs(page16_smem, chunk: int, first_token, seq_len, masked: bool):
+  """u16 ``[64 dim pairs, 64 tokens]`` (WGMMA layout): the page's latent dims
+  ``[128 chunk, 128 chunk + 128)`` transposed, a register holding two adjacent tokens'
+  bytes of two dims; tokens ``>= seq_len`` zeroed if ``masked`` (they may hold NaN)."""
+  pairs = plgpu.load(page16_smem.at[:, pl.ds(chunk * 64, 64)].T, layout=plgpu.Layout.WGMMA)
+  if masked:
+    token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1,
+                                   layout=plgpu.Layout.WGMMA) + first_token
+    pairs = jnp.where(token < seq_len, pairs, jnp.zeros_like(pairs))
+  return pairs
+
+
+def transpose_v_registers(page16_smem, half: int, first_token, seq_len, masked: bool):
+  """One half of a page's V^T as four e4m3 ``[64 dims, 64 tokens]`` wgmma A operands in
+  registers (WGMMA_8BIT), in ``transpose_v_half``'s row and token order: the even dims of
+  the half's two 128-dim chunks, then their odd dims."""
+  even, odd = [], []
+  for chunk in (2 * half, 2 * half + 1):
+    pairs = transposed_pairs(page16_smem, chunk, first_token, seq_len, masked)
+    even.append(pair_column_groups(pairs, 0x6240, as_e4m3=True))
+    odd.append(pair_column_groups(pairs, 0x7351, as_e4m3=True))
+  return even + odd
 
 
 def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, masked: bool):
@@ -102,13 +137,7 @@ def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, ma
     masked: zero the tokens ``>= seq_len`` (the page may hold NaN there).
   """
   for chunk in range(2):  # 128 latent dims = 64 u16 columns each
-    cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
-    # [dim pairs, tokens]: a register holds two adjacent tokens' bytes of two dims
-    pairs = plgpu.load(page16_smem.at[:, cols].T, layout=plgpu.Layout.WGMMA)
-    if masked:
-      token = plgpu.broadcasted_iota(jnp.int32, pairs.shape, 1,
-                                     layout=plgpu.Layout.WGMMA) + first_token
-      pairs = jnp.where(token < seq_len, pairs, jnp.zeros_like(pairs))
+    pairs = transposed_pairs(page16_smem, 2 * half + chunk, first_token, seq_len, masked)
     # bytes (V[t, 2j], V[t + 8, 2j], V[t + 1, 2j], V[t + 9, 2j]) of t = 16 g + 2 (lane % 4)
     vt16_smem.at[pl.ds(chunk * 64, 64)][...] = pair_column_groups(pairs, 0x6240)
     vt16_smem.at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = pair_column_groups(pairs, 0x7351)
@@ -150,13 +179,14 @@ def store_p_columns(p_q, p16_smem):
   store(p_q, p16_smem)
 
 
-def smem_plan(n: int, pv_impl: PvImpl, num_stages: int | None):
+def smem_plan(n: int, pv_impl: PvImpl, num_stages: int | None, vt_registers: bool = False):
   """``(stages, v_pages)``: the ring's depth and V buffers per P V warpgroup (2: V^T of
-  page i + 1 built while page i's ``P_q`` is on its way; f16 V halves take one)."""
+  page i + 1 built while page i's ``P_q`` is on its way; f16 V halves take one; none with
+  V^T in registers)."""
   page = PAGE_SIZE * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
   query = n * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
   p_bytes = 1 if pv_impl == "fp8" else 2
-  v_pages = 2 if pv_impl == "fp8" else 1
+  v_pages = 0 if vt_registers else 2 if pv_impl == "fp8" else 1
   fixed = (query + P_BUFFERS * n * PAGE_SIZE * p_bytes
            + NUM_PV_WGS * v_pages * HALF_DIM * PAGE_SIZE * p_bytes)
   fits = min(MAX_STAGES, (SMEM_BYTES - fixed) // page)
@@ -179,7 +209,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   wg = lax.axis_index("wg")
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
-    v_smem, vt16_smem = zip(*v_smem)
+    if v_pages:
+      v_smem, vt16_smem = zip(*v_smem)
   token_layout = plgpu.Layout.WGMMA.reduce(1)  # [64]: along S^T's rows
   query_layout = plgpu.Layout.WGMMA.reduce(0)  # [n]: along its columns
   shape = (PAGE_SIZE, n)
@@ -292,9 +323,24 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         def _():
           issue_copies(step, step)
 
+    def release(step, slot):
+      """Releases page ``step``'s slot (its V half is built) and (warpgroup 1) refills it."""
+      plgpu.barrier_arrive(kv_free.at[slot])
+      if issues_copies:
+        @pl.when(step + num_stages < num_steps)
+        def _():
+          plgpu.barrier_wait(kv_free.at[slot])
+          issue_copies(step + num_stages, slot)
+
+    def wait_factor(step):
+      """Waits for page ``step``'s ``P_q``; its P buffer and column factor ``[n]``."""
+      buf = lax.rem(step, P_BUFFERS)
+      plgpu.barrier_wait(p_ready.at[buf])
+      return buf, plgpu.load(factor_smem.at[buf], layout=query_layout)
+
     def prepare_page(step, parity):
       """Waits for page ``step``, prepares its V half into buffer ``parity``, releases the
-      page's slot and (warpgroup 1) refills it."""
+      page's slot."""
       slot = lax.rem(step, num_stages)
       first_token = (first_page + step) * PAGE_SIZE
       plgpu.barrier_wait(kv_bar(step, _CONTENT))
@@ -308,16 +354,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             transpose_v_half(kc16_smem.at[slot], vt16_smem[half].at[parity], half,
                              first_token, seq_len, masked)
       plgpu.commit_smem()
-      plgpu.barrier_arrive(kv_free.at[slot])
-      if issues_copies:
-        @pl.when(step + num_stages < num_steps)
-        def _():
-          plgpu.barrier_wait(kv_free.at[slot])
-          issue_copies(step + num_stages, slot)
+      release(step, slot)
 
     def step_fn(step, acc):
-      """Page ``step``'s ``O^T += V^T P^T``, after preparing page ``step + 1`` (two V
-      buffers) or page ``step`` (one)."""
+      """Page ``step``'s ``O^T += V^T P^T`` (``acc``: ``[256 dims, n]``), after preparing
+      page ``step + 1`` (two V buffers) or page ``step`` (one)."""
       parity = lax.rem(step, v_pages)  # traced also for one buffer (run_state's operands)
       if v_pages == 2:
         @pl.when(step + 1 < num_steps)
@@ -325,9 +366,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           prepare_page(step + 1, 1 - parity)
       else:
         prepare_page(step, parity)
-      buf = lax.rem(step, P_BUFFERS)
-      plgpu.barrier_wait(p_ready.at[buf])
-      acc = acc * columns(plgpu.load(factor_smem.at[buf], layout=query_layout), HALF_DIM)
+      buf, factor = wait_factor(step)
+      acc = acc * columns(factor, HALF_DIM)
       v = v_smem[half].at[parity]
       if pv_impl == "f16":  # V [64 tokens, 256] and P_q^T [64 tokens, n]
         acc = common.accumulate_pv(acc, v.T, p_smem.at[buf], in_place=in_place)
@@ -336,20 +376,50 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
-    if v_pages == 2:
-      @pl.when(num_steps > 0)
-      def _():
-        prepare_page(0, 0)
-    acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((HALF_DIM, n)))
+    def step_in_registers(step, acc, *, masked: bool):
+      """``vt_registers``: page ``step``'s V^T half into registers, the slot released, then
+      ``O^T += V^T P^T`` with V^T as the four wgmmas' A operand."""
+      slot = lax.rem(step, num_stages)
+      plgpu.barrier_wait(kv_bar(step, _CONTENT))
+      vt = transpose_v_registers(kc16_smem.at[slot], half, (first_page + step) * PAGE_SIZE,
+                                 seq_len, masked)
+      release(step, slot)
+      buf, factor = wait_factor(step)
+
+      def issue(acc_refs):
+        for acc_ref, vt_tile in zip(acc_refs, vt):
+          plgpu.wgmma(acc_ref, vt_tile, p_smem.at[buf].T)
+
+      factor = columns(factor, QUERY_TILE)
+      acc = pl.run_state(issue)(tuple(plgpu.ACC.init(a * factor) for a in acc))
+      plgpu.barrier_arrive(p_free.at[buf])
+      return acc
+
+    if v_pages == 0:  # four [64 dims, n] tiles, one per wgmma (its A: V^T's registers)
+      acc = tuple(common.zero_acc((QUERY_TILE, n)) for _ in range(HALF_DIM // QUERY_TILE))
+      num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=1, causal=False)
+      acc = lax.fori_loop(0, num_full, functools.partial(step_in_registers, masked=False), acc)
+      acc = lax.fori_loop(num_full, num_steps,
+                          functools.partial(step_in_registers, masked=True), acc)
+    else:
+      if v_pages == 2:
+        @pl.when(num_steps > 0)
+        def _():
+          prepare_page(0, 0)
+      acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((HALF_DIM, n)))
     if issues_copies:  # observe the releases of the last pages, which it did not refill
       for back in range(num_stages, 0, -1):
         @pl.when(num_steps - back >= 0)
         def _():
           plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
-    buf = lax.rem(num_steps, P_BUFFERS)
-    plgpu.barrier_wait(p_ready.at[buf])
-    out = acc * columns(plgpu.load(factor_smem.at[buf], layout=query_layout), HALF_DIM)
-    out_ref[split, b, pl.ds(half * HALF_DIM, HALF_DIM), rows] = out
+    _, factor = wait_factor(num_steps)
+    if v_pages == 0:
+      for m, tile in enumerate(acc):
+        out_ref[split, b, pl.ds(half * HALF_DIM + m * QUERY_TILE, QUERY_TILE), rows] = (
+            tile * columns(factor, QUERY_TILE))
+    else:
+      out_ref[split, b, pl.ds(half * HALF_DIM, HALF_DIM), rows] = acc * columns(factor,
+                                                                               HALF_DIM)
 
   def issue_copies(step, slot):
     issue_page_copies((content_ref, scale_ref, rope_ref), (kc_smem, ks_smem, kr_smem),
@@ -361,11 +431,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
 
 def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
-           in_place: bool, stages: int | None):
+           in_place: bool, stages: int | None, vt_registers: bool = False):
   """``(kernel, scratch, warpgroups, n)`` of ``schedule="swap_ab"`` (``n``: its tile's
   query rows); the kernel writes ``out`` as ``[splits, batch, 512, rows]``."""
   n = tile_rows(s_q, heads)
-  stages, v_pages = smem_plan(n, pv_impl, stages)
+  stages, v_pages = smem_plan(n, pv_impl, stages, vt_registers)
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, n=n, scale_log2=scale_log2,
                              causal=causal, num_stages=stages, v_pages=v_pages,
                              pv_impl=pv_impl, in_place=in_place)
@@ -388,7 +458,7 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
       content,
       plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
       common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
-      (v,) * NUM_PV_WGS,
+      (v,) * NUM_PV_WGS if v_pages else (),
       p,
       plgpu.SMEM((P_BUFFERS, n), jnp.float32),
       plgpu.SMEM((n,), jnp.float32),
