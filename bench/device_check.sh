@@ -50,9 +50,9 @@ case $what in
          # refactors, q_register_dims (BF16) and the two-page softmax loop (FP8)
     grid="seq_lens1 or seq_lens3 or seq_lens7 or seq_lens9"  # h16 s_q2, h64 s_q2, 100k, b128
     timeout 200 bash "$0" tests tests/test_pallas_fp8.py tests/test_pallas_bf16.py \
-      -k "(gpu_vs_emulation and (fp8-swap_ab or fp8-softmax_wg or f16-swap_ab) or gpu_vs_reference and softmax_wg0 or gpu_q_in_registers) and ($grid) or gpu_non_finite and swap_ab"
+      -k "(gpu_vs_emulation and (fp8-swap_ab or fp8-softmax_wg or f16-swap_ab) or gpu_schedule_knobs and swap_ab or gpu_vs_reference and softmax_wg0 or gpu_q_in_registers) and ($grid) or gpu_non_finite and swap_ab"
     status=$?
-    timeout 150 bash "$0" bench --skip xla-bf16,bf16-multicast,bf16-token-halves,bf16-q-regs-256,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs \
+    timeout 150 bash "$0" bench --skip xla-bf16,bf16-multicast,bf16-token-halves,bf16-q-regs-256,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,fp8-swap-ab-f16 \
       --shapes 128,16,1,16384 64,16,2,16384 32,128,1,16384
     # the softmax warpgroup's pages two an iteration (fewer moves) against one
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only one_page_loop ;;

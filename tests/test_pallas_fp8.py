@@ -272,7 +272,8 @@ def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv, schedule):
         f"vs_fp32={ref_err:.2e}")
 
 
-SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False)}
+SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False),
+                  "swap_ab_vt_registers": dict(schedule="swap_ab", vt_registers=True)}
 
 
 @pytest.mark.gpu
@@ -281,12 +282,14 @@ SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False)}
 def test_gpu_schedule_knobs(batch, s_q, heads, seq_lens, knob):
   """The hardware path off its default schedule (``test_gpu_vs_emulation`` runs that):
   ``overlap_pv=False`` (one V^T buffer, each page's built after the previous page's
-  P V)."""
+  P V); ``swap_ab`` with V^T from registers."""
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
+  knobs = dict(SCHEDULE_KNOBS[knob])
+  schedule = knobs.pop("schedule", "softmax_wg")
   for splits in (None, 3):
-    config = TuningConfig(num_splits=splits, **SCHEDULE_KNOBS[knob])
-    err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8", config=config)
+    config = TuningConfig(num_splits=splits, **knobs)
+    err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8", config=config, schedule=schedule)
     print(f"fp8-fp8-{knob} b={batch} s_q={s_q} h={heads} splits={splits}: "
           f"rel_l2={err:.2e} lse_err={lerr:.2e}")
 
