@@ -47,12 +47,17 @@ SHAPES = [  # (batch, heads, s_q, context)
 QUICK = [(32, 128, 1, 16384), (128, 16, 1, 16384), (32, 128, 2, 16384)]
 
 
-def make_inputs(batch, heads, s_q, context, kinds):
+def make_inputs(batch, heads, s_q, context, kinds, l2_pages=False):
+  """Random queries and caches, every sequence ``context`` tokens over permuted pages; with
+  ``l2_pages`` all sequences share one sequence's pages (L2-resident: the kernels' compute
+  chains without HBM's bandwidth)."""
   key = jax.random.key(batch * 1000 + heads + s_q)
   k1, k2, k3, k4 = jax.random.split(key, 4)
   pages = context // 64
-  num_pages = batch * pages
-  block_table = jax.random.permutation(k1, num_pages).astype(jnp.int32).reshape(batch, pages)
+  num_pages = pages if l2_pages else batch * pages
+  block_table = jax.random.permutation(k1, num_pages).astype(jnp.int32)
+  block_table = (jnp.tile(block_table, (batch, 1)) if l2_pages
+                 else block_table.reshape(batch, pages))
   seq_lens = jnp.full((batch,), context, jnp.int32)
   q_nope = jax.random.normal(k2, (batch, s_q, heads, 512), jnp.bfloat16)
   q_rope = jax.random.normal(k3, (batch, s_q, heads, 64), jnp.bfloat16)
@@ -112,6 +117,8 @@ def main():
   parser.add_argument("--md", default=None)
   parser.add_argument("--skip", default="", help="comma-separated impls to leave out")
   parser.add_argument("--shapes", nargs="*", default=None, help="batch,heads,s_q,context ...")
+  parser.add_argument("--l2-pages", action="store_true",
+                      help="every sequence reads the same pages, from L2 (no HBM bound)")
   parser.add_argument("--fp8-stages", type=int, default=None,
                       help="SMEM ring depth of the FP8 kernels (TuningConfig.num_stages)")
   args = parser.parse_args()
@@ -124,7 +131,7 @@ def main():
   rows = []
   for batch, heads, s_q, context in shapes:
     kinds = {kind for kind, _ in table.values()}
-    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, kinds)
+    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, kinds, args.l2_pages)
     tokens = batch * context
     flops = 2 * s_q * tokens * heads * (576 + 512)
     times = {}
@@ -163,6 +170,8 @@ def main():
   text = "\n".join(lines)
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   meta = f"{stamp}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
+  if args.l2_pages:
+    meta += ", --l2-pages: every sequence reads the same pages (GB/s not HBM's)"
   print(meta)
   print(text)
   if args.md:
