@@ -32,7 +32,7 @@ import pytest
 from snapmla_jax import quant
 from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import TuningConfig, num_row_tiles
-from snapmla_jax.pallas.mla_decode_fp8 import _decode, mla_decode_fp8
+from snapmla_jax.pallas.mla_decode_fp8 import _decode, default_schedule, mla_decode_fp8
 from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
                                  make_poisoned_case, rel_l2)
 from snapmla_jax.reference import mla_decode_reference, snapmla_emulate
@@ -220,9 +220,14 @@ def test_swap_ab_lowers_for_cuda(batch, s_q, heads, pv):  # query tiles of 16, 3
 
 
 @pytest.mark.timeout(300)
-def test_swap_ab_vt_registers_lowers_for_cuda():
-  config = TuningConfig(vt_registers=True)
+def test_swap_ab_vt_smem_lowers_for_cuda():  # V^T from registers is the default there
+  config = TuningConfig(vt_registers=False)
   assert "mosaic_gpu" in lower(128, 1, 16, 16384, "fp8", "swap_ab", config=config)
+
+
+def test_default_schedule_by_query_rows():  # swap_ab where rows would pad 64-row tiles most
+  assert [default_schedule(s_q, h) for s_q, h in [(1, 8), (1, 16), (2, 16), (1, 128)]] == [
+      "swap_ab", "swap_ab", "softmax_wg", "softmax_wg"]
 
 
 def test_rejects_bad_inputs():
@@ -273,7 +278,7 @@ def test_gpu_vs_emulation(batch, s_q, heads, seq_lens, pv, schedule):
 
 
 SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False),
-                  "swap_ab_vt_registers": dict(schedule="swap_ab", vt_registers=True)}
+                  "swap_ab_vt_smem": dict(schedule="swap_ab", vt_registers=False)}
 
 
 @pytest.mark.gpu
@@ -282,7 +287,7 @@ SCHEDULE_KNOBS = {"in_order_pv": dict(overlap_pv=False),
 def test_gpu_schedule_knobs(batch, s_q, heads, seq_lens, knob):
   """The hardware path off its default schedule (``test_gpu_vs_emulation`` runs that):
   ``overlap_pv=False`` (one V^T buffer, each page's built after the previous page's
-  P V); ``swap_ab`` with V^T from registers."""
+  P V); ``swap_ab`` with V^T built in SMEM (its default on a GPU: from registers)."""
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
   knobs = dict(SCHEDULE_KNOBS[knob])

@@ -73,8 +73,8 @@ class TuningConfig:
       instead of SMEM: QK is bound by SMEM bandwidth (Q and the page both from SMEM), and
       each 64 dims cut its reads by 8 KB a page, for 32 registers a thread.
     vt_registers: (FP8 kernel, ``schedule="swap_ab"``, ``pv="fp8"``, on a GPU) P V's A
-      operand, V^T, straight from the P V warpgroups' registers: no V^T buffers in SMEM
-      (more ring stages), no V^T stores and reloads.
+      operand, V^T, straight from the P V warpgroups' registers: no V^T buffers in SMEM,
+      no V^T stores and reloads; ``None`` turns it on wherever it applies.
   """
   num_stages: int | None = None
   num_splits: int | None = None
@@ -82,7 +82,7 @@ class TuningConfig:
   promote_pv: bool = False
   multicast: bool = False
   q_register_dims: int = 0
-  vt_registers: bool = False
+  vt_registers: bool | None = None
 
   def __post_init__(self):
     if self.num_stages is not None and self.num_stages < 2:

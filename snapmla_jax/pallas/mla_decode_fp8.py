@@ -875,8 +875,11 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
   elif swap_ab:  # O^T: [splits, batch, 512, rows]; the softmax reduces across warps
+    vt_registers = config.vt_registers
+    if vt_registers is None:  # on wherever it applies
+      vt_registers = pv == "fp8" and not interpret
     kernel, scratch, num_warpgroups, _ = mla_decode_fp8_swap_ab.launch(
-        stages=config.num_stages, vt_registers=config.vt_registers, **params)
+        stages=config.num_stages, vt_registers=vt_registers, **params)
     out_shape = (num_splits, batch, CONTENT_DIM, padded)
     compiler_params = common.compiler_params(
         auto_barriers=False,
@@ -915,11 +918,22 @@ def _fp8_pv_dim_order() -> np.ndarray:
 _FP8_PV_DIM_ORDER = _fp8_pv_dim_order()
 
 
+def default_schedule(s_q: int, heads: int) -> Schedule:
+  """``"swap_ab"`` for at most 16 query rows a sequence (e.g. 16 heads, one query), where
+  the other schedules pad every page's work to 64 rows; ``"softmax_wg"`` otherwise.
+
+  H100, b128 h16 s_q1 16k (RESULTS.md, thirteenth session): 459 us against 473 with HBM
+  pages, 348 against 402 from L2 (the chains alone). At 32 rows (h16 s_q2) the
+  softmax's reductions across warps cost more than the padding: 243 against 217 from L2.
+  """
+  return "swap_ab" if s_q * heads <= 16 else "softmax_wg"
+
+
 def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
                    content: jax.Array, scale: jax.Array, rope: jax.Array,
                    block_table: jax.Array, seq_lens: jax.Array, *, softmax_scale: float,
                    causal: bool = True, config: TuningConfig | None = None,
-                   pv: PvImpl = "fp8", schedule: Schedule = "softmax_wg",
+                   pv: PvImpl = "fp8", schedule: Schedule | None = None,
                    interpret: bool = False):
   """SnapMLA FP8 absorbed-MLA decode over a paged FP8 latent cache (Hopper kernel).
 
@@ -940,10 +954,11 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     pv: the ``P_q V`` implementation (see the module docstring).
     schedule: ``"softmax_wg"`` (this module), ``"two_softmax_wgs"`` (this module: two
       softmax warpgroups taking alternate pages, next to the two P V warpgroups; 0.80x
-      the default on the H200, its softmax warpgroups spill at 88 registers) or ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns
-      with the pages; a 2-stage ring; slower so far) or ``"swap_ab"``
-      (``mla_decode_fp8_swap_ab``: tokens as the wgmma's M, query rows as its N, for
-      narrow query tiles such as 16 heads).
+      the default on the H200, its softmax warpgroups spill at 88 registers),
+      ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns with the pages;
+      a 2-stage ring; slower so far) or ``"swap_ab"`` (``mla_decode_fp8_swap_ab``: tokens
+      as the wgmma's M, query rows as its N, for narrow query tiles); ``None``:
+      ``default_schedule``.
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:
@@ -965,6 +980,7 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   if pv not in ("f16", "fp8"):
     raise ValueError(f'pv must be "f16" or "fp8", got {pv=!r}')
   config = config or TuningConfig()
+  schedule = schedule or default_schedule(s_q, heads)
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
   if schedule == "seesaw" and config.num_stages not in (None, 2):

@@ -54,7 +54,9 @@ from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U
                                                issue_page_copies, prmt)
 
 SMEM_BYTES = 225 * 1024   # of the 227 KB: the rest for barriers and the reduction scratch
-MAX_STAGES = 5
+# More pages in flight cost with HBM pages: V^T from registers, H100, b128 h16 s_q1 16k,
+# 2 / 3 / 4 / 5 stages: 465.7 / 459.4 / 467.8 / 475.8 us (V^T in SMEM: 3 stages 463.6).
+MAX_STAGES = 3
 P_SWIZZLE = 64            # pv="fp8": P_q's rows (and V^T's) are 64 bytes
 
 
