@@ -9,7 +9,7 @@ leave one stage out and take differences). A substitution that no longer matches
 source fails loudly.
 
   python bench/ablate.py [--shapes 32,128,1,16384 128,16,1,16384] [--only NAME,...]
-                        [--kernel bf16] [--multicast]
+                        [--kernel bf16|swap_ab] [--multicast] [--l2-pages]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import importlib.util
 import inspect
 
 from snapmla_jax import quant
-from snapmla_jax.pallas import common, mla_decode_bf16, mla_decode_fp8
+from snapmla_jax.pallas import common, mla_decode_bf16, mla_decode_fp8, mla_decode_fp8_swap_ab
 
 ABLATIONS = {  # name: [(old source, new source), ...]
     "base": [],
@@ -203,21 +203,55 @@ BF16_ABLATIONS["skeleton"] = (BF16_ABLATIONS["no_pv"] + BF16_ABLATIONS["no_qk"]
                               + BF16_ABLATIONS["no_softmax"])
 BF16_ABLATIONS["skeleton_same_page"] = BF16_ABLATIONS["skeleton"] + BF16_ABLATIONS["same_page"]
 BF16_ABLATIONS["no_qk_no_softmax"] = BF16_ABLATIONS["no_qk"] + BF16_ABLATIONS["no_softmax"]
-KERNELS = {"fp8": (mla_decode_fp8, ABLATIONS), "bf16": (mla_decode_bf16, BF16_ABLATIONS)}
+
+# The FP8 kernel's swap_ab schedule (the default at 16 query rows), V^T from registers: which
+# warpgroup's chain sets its page-step (``--kernel swap_ab --l2-pages``)?
+SWAP_AB_ABLATIONS = {
+    "base": [],
+    "no_pv": [("          plgpu.wgmma(acc_ref, vt_tile, p_smem.at[buf].T)\n",
+               "          del acc_ref, vt_tile\n")],
+    "no_vt_build": [(
+        "      vt = transpose_v_registers(kc16_smem.at[slot], half, (first_page + step) * PAGE_SIZE,\n"
+        "                                 seq_len, masked)\n",
+        "      vt = [plgpu.layout_cast(jnp.zeros((QUERY_TILE, PAGE_SIZE), _FP8),\n"
+        "                              plgpu.Layout.WGMMA_8BIT)] * 4\n")],
+    # the softmax's two reductions across warps a page (max, P's block max) left out
+    "no_reductions": [("        m_new = jnp.maximum(m_i, t.max(axis=0))\n",
+                       "        m_new = jnp.maximum(m_i, full(0.0))\n"),
+                      ("        p_max = p_fused.max(axis=0)\n", "        p_max = full(1.0)\n")],
+    "no_p_store": [("        store_p_columns(p_q, p16_smem.at[buf])\n", "        del p_q\n")],
+}
+SWAP_AB_ABLATIONS["pv_wgs_idle"] = SWAP_AB_ABLATIONS["no_pv"] + SWAP_AB_ABLATIONS["no_vt_build"]
+SWAP_AB_ABLATIONS["idle_no_reductions"] = (SWAP_AB_ABLATIONS["pv_wgs_idle"]
+                                           + SWAP_AB_ABLATIONS["no_reductions"])
+KERNELS = {"fp8": (mla_decode_fp8, ABLATIONS), "bf16": (mla_decode_bf16, BF16_ABLATIONS),
+           "swap_ab": (mla_decode_fp8_swap_ab, SWAP_AB_ABLATIONS)}
 
 
-def variant(name: str, kernel: str = "fp8"):
-  """The kernel module with ablation ``name`` applied, as a fresh module."""
-  module, ablations = KERNELS[kernel]
+def patched(module, edits, name: str, **names):
+  """A fresh copy of ``module`` with the source edits applied (and ``names`` defined)."""
   source = inspect.getsource(module)
-  for old, new in ablations[name]:
+  for old, new in edits:
     if source.count(old) != 1:
       raise ValueError(f"ablation {name}: {old!r} occurs {source.count(old)} times")
     source = source.replace(old, new)
   spec = importlib.util.spec_from_loader(f"ablated_{name}", loader=None)
   module = importlib.util.module_from_spec(spec)
+  module.__dict__.update(names)
   exec(compile(source, f"<{name}>", "exec"), module.__dict__)
   return module
+
+
+def variant(name: str, kernel: str = "fp8"):
+  """The kernel module with ablation ``name`` applied, as a fresh module (``swap_ab``: a
+  ``mla_decode_fp8`` whose swap_ab schedule is the ablated one)."""
+  module, ablations = KERNELS[kernel]
+  ablated = patched(module, ablations[name], name)
+  if kernel != "swap_ab":
+    return ablated
+  return patched(mla_decode_fp8, [("    from snapmla_jax.pallas import mla_decode_fp8_swap_ab\n",
+                                   "    mla_decode_fp8_swap_ab = _ABLATED_SWAP_AB\n")],
+                 name, _ABLATED_SWAP_AB=ablated)
 
 
 def variant_decode(name: str, config, pv: str = "fp8", kernel: str = "fp8"):
@@ -229,9 +263,11 @@ def variant_decode(name: str, config, pv: str = "fp8", kernel: str = "fp8"):
     return lambda q, r, c, bt, sl: module.mla_decode_bf16(
         q, r, c.latent, bt, sl, softmax_scale=SCALE, config=config)
 
+  schedule = "swap_ab" if kernel == "swap_ab" else "softmax_wg"
+
   def f(qc, qs, qr, c, bt, sl):
     return module.mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
-                                 softmax_scale=SCALE, pv=pv, config=config)
+                                 softmax_scale=SCALE, pv=pv, config=config, schedule=schedule)
   return f
 
 
@@ -247,7 +283,10 @@ def main():
                       help="TuningConfig(overlap_pv=False): V^T built after the previous P V")
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
-  parser.add_argument("--kernel", choices=KERNELS, default="fp8")
+  parser.add_argument("--kernel", choices=KERNELS, default="fp8",
+                      help="fp8: the softmax_wg schedule; swap_ab: the FP8 kernel's other")
+  parser.add_argument("--l2-pages", action="store_true",
+                      help="every sequence reads the same pages, from L2 (no HBM bound)")
   args = parser.parse_args()
   from bench.kernel import make_inputs, measure
 
@@ -257,10 +296,13 @@ def main():
            "|---|---|---|---|---|"]
   for shape in args.shapes:
     batch, heads, s_q, context = map(int, shape.split(","))
-    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, {args.kernel})
-    c = caches[args.kernel]
-    inputs = (q, r) if args.kernel == "bf16" else quant.quantize_query(q, r)
-    row_tiles = common.num_row_tiles(s_q, heads)
+    kind = "bf16" if args.kernel == "bf16" else "fp8"
+    q, r, caches, bt, sl = make_inputs(batch, heads, s_q, context, {kind}, args.l2_pages)
+    c = caches[kind]
+    inputs = (q, r) if kind == "bf16" else quant.quantize_query(q, r)
+    tile = (mla_decode_fp8_swap_ab.tile_rows(s_q, heads) if args.kernel == "swap_ab"
+            else common.QUERY_TILE)
+    row_tiles = common.num_row_tiles(s_q, heads, tile)
     if args.kernel == "bf16":
       config = common.TuningConfig(num_splits=args.splits, multicast=args.multicast)
       splits = args.splits or common.default_num_splits(batch, row_tiles, context // 64)
