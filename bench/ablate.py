@@ -221,6 +221,19 @@ SWAP_AB_ABLATIONS = {
                       ("        p_max = p_fused.max(axis=0)\n", "        p_max = full(1.0)\n")],
     "no_p_store": [("        store_p_columns(p_q, p16_smem.at[buf])\n", "        del p_q\n")],
 }
+# A candidate, not an ablation (results stay right up to rounding): one exchange across
+# the warps a page instead of two, P's block max taken by its exponent:
+# max_t P'[t] = 2^(max_t (q t + log2 scale_k[t]) - q m), masked tokens (NaN scales) -inf.
+SWAP_AB_ABLATIONS["one_reduction"] = [
+    ("        m_new = jnp.maximum(m_i, t.max(axis=0))\n",
+     "        u = t * columns(q_scale) + jnp.log2(k_scale)\n"
+     "        if masked:\n"
+     "          u = jnp.where(visible, u, -jnp.inf)\n"
+     "        both = jnp.concatenate([t, u], axis=1).max(axis=0)\n"
+     "        m_new = jnp.maximum(m_i, both[:n])\n"),
+    ("        p_max = p_fused.max(axis=0)\n",
+     "        p_max = jnp.exp2(both[n:] - m_use * q_scale)\n"),
+    ("  return 128 * n\n", "  return 256 * n  # both halves in one pass\n")]
 SWAP_AB_ABLATIONS["pv_wgs_idle"] = SWAP_AB_ABLATIONS["no_pv"] + SWAP_AB_ABLATIONS["no_vt_build"]
 SWAP_AB_ABLATIONS["idle_no_reductions"] = (SWAP_AB_ABLATIONS["pv_wgs_idle"]
                                            + SWAP_AB_ABLATIONS["no_reductions"])
