@@ -191,8 +191,7 @@ ABLATIONS["one_page_loop"] = [(
 BF16_ABLATIONS = {
     "base": [],
     "no_pv": [("    return common.accumulate_pv(\n", "    return acc\n    return common.accumulate_pv(\n")],
-    "no_qk": [("          plgpu.wgmma(s_ref, q_part, kv_smem.at[slot, :, dims].T)\n",
-               "          pass\n")],
+    "no_qk": [("        plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)\n", "        pass\n")],
     "no_softmax": [  # P = S, alpha = l (the FMULs of the rescale stay)
         ("m_new, alpha, p, l_i = common.online_softmax_step(s, m_i, l_i, scale_log2, visible)",
          "m_new, alpha, p = m_i, l_i, s")],

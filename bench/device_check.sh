@@ -47,7 +47,7 @@ case $what in
   next)  # (~4 min) the H200's 16-head row: the FP8 default there (swap_ab, V^T from
          # registers) against softmax_wg and V^T in SMEM, HBM pages then L2-resident pages
          # (the chains alone)
-    skip=xla-bf16,bf16-multicast,bf16-token-halves,bf16-q-regs-128,bf16-q-regs-256,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,fp8-swap-ab
+    skip=xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,fp8-swap-ab
     timeout 70 bash "$0" bench --skip $skip --shapes 128,16,1,16384
     timeout 60 bash "$0" bench --l2-pages --skip $skip,bf16 --shapes 128,16,1,16384
     # which warpgroup's chain sets swap_ab's page-step (H100 from L2: 1.36 us)
@@ -55,12 +55,12 @@ case $what in
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,bf16-q-regs-128,bf16-q-regs-256,fp8-softmax-wg,fp8-swap-ab,fp8-swap-ab-vt-smem
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-softmax-wg,fp8-swap-ab,fp8-swap-ab-vt-smem
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,bf16-q-regs-128,bf16-q-regs-256,fp8-swap-ab,fp8-swap-ab-vt-smem \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-swap-ab,fp8-swap-ab-vt-smem \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;

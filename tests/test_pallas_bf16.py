@@ -114,13 +114,6 @@ def test_lowers_for_cuda(batch, s_q, heads, context):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("q_register_dims", [128, 576])
-def test_q_in_registers_lowers_for_cuda(q_register_dims):
-  config = TuningConfig(q_register_dims=q_register_dims)
-  assert "mosaic_gpu" in lower(32, 1, 128, 16384, config=config)
-
-
-@pytest.mark.timeout(300)
 def test_token_halves_lowers_for_cuda():
   assert "mosaic_gpu" in lower(32, 2, 128, 16384, schedule="token_halves")
 
@@ -149,12 +142,6 @@ def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match="schedule must be"):
     mla_decode_bf16(q, r, latent, case.block_table, case.seq_lens, softmax_scale=SCALE,
                     schedule="fast", interpret=True)
-  with pytest.raises(ValueError, match="q_register_dims=100 must be a multiple of 64"):
-    TuningConfig(q_register_dims=100)
-  with pytest.raises(ValueError, match="q_register_dims needs schedule='softmax_wg0'"):
-    mla_decode_bf16(q, r, latent, case.block_table, case.seq_lens, softmax_scale=SCALE,
-                    schedule="token_halves", config=TuningConfig(q_register_dims=64),
-                    interpret=True)
 
 
 def test_needs_hopper_unless_interpreting():
@@ -177,15 +164,6 @@ def test_gpu_vs_reference(batch, s_q, heads, seq_lens, schedule):
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
   err, lerr = run_and_check(case, s_q=s_q, schedule=schedule)
   print(f"bf16-{schedule} b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
-def test_gpu_q_in_registers(batch, s_q, heads, seq_lens):
-  """``q_register_dims``: QK's A operand partly from registers."""
-  case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("bf16",))
-  err, lerr = run_and_check(case, s_q=s_q, config=TuningConfig(q_register_dims=128))
-  print(f"bf16-q-regs-128 b={batch} s_q={s_q} h={heads}: rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 
 @pytest.mark.gpu

@@ -68,10 +68,6 @@ class TuningConfig:
     multicast: (both kernels) pair the CTAs of consecutive row tiles of a sequence in a
       cluster of two that copies each page once from L2 and multicasts it into both
       CTAs' rings, halving the L2 -> SM traffic; only where the row tiles are even.
-    q_register_dims: (BF16 kernel, default schedule, on a GPU) QK reads Q's first
-      ``q_register_dims`` of its 576 dims (a multiple of 64) from warpgroup 0's registers
-      instead of SMEM: QK is bound by SMEM bandwidth (Q and the page both from SMEM), and
-      each 64 dims cut its reads by 8 KB a page, for 32 registers a thread.
     vt_registers: (FP8 kernel, ``schedule="swap_ab"``, ``pv="fp8"``, on a GPU) P V's A
       operand, V^T, straight from the P V warpgroups' registers: no V^T buffers in SMEM,
       no V^T stores and reloads; ``None`` turns it on wherever it applies.
@@ -81,7 +77,6 @@ class TuningConfig:
   overlap_pv: bool | None = None
   promote_pv: bool = False
   multicast: bool = False
-  q_register_dims: int = 0
   vt_registers: bool | None = None
 
   def __post_init__(self):
@@ -89,8 +84,6 @@ class TuningConfig:
       raise ValueError(f"{self.num_stages=} must be at least 2")
     if self.num_splits is not None and self.num_splits < 1:
       raise ValueError(f"{self.num_splits=} must be None or at least 1")
-    if self.q_register_dims % 64 or not 0 <= self.q_register_dims <= 576:
-      raise ValueError(f"{self.q_register_dims=} must be a multiple of 64 in [0, 576]")
 
 
 def check_platform(interpret: bool) -> None:

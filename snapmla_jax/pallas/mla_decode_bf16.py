@@ -82,8 +82,7 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
             q_smem, kv_smem, p_smem, alpha_smem, lse_smem,    # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,        # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, num_stages: int,
-            in_place: bool, schedule: Schedule, q_register_dims: int,
-            pair_axis: str | None):
+            in_place: bool, schedule: Schedule, pair_axis: str | None):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
@@ -212,13 +211,6 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
   def _softmax_wg():
     plgpu.set_max_registers(232, action="increase")
     load_query(copy=True)
-    # QK's A operand: Q's first q_register_dims dims from registers, the rest from SMEM
-    q_parts = [(q_smem, slice(None))]
-    if q_register_dims:
-      q_regs = plgpu.load(q_smem.at[:, :q_register_dims], layout=plgpu.Layout.WGMMA)
-      q_parts = [(q_regs, slice(0, q_register_dims))]
-      if q_register_dims < LATENT_DIM:
-        q_parts.append((q_smem.at[:, q_register_dims:], slice(q_register_dims, None)))
 
     def step_fn(step, carry, *, masked: bool):
       """One page; ``masked``: it holds tokens some row may not see (the last pages)."""
@@ -226,8 +218,7 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       slot, first_token = wait_page(step)
 
       def qk(s_ref):
-        for q_part, dims in q_parts:
-          plgpu.wgmma(s_ref, q_part, kv_smem.at[slot, :, dims].T)
+        plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)
         return s_ref[...]
       with jax.named_scope("qk"):
         s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
@@ -307,7 +298,7 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
   kernel = functools.partial(
       _kernel, s_q=s_q, heads=heads, scale_log2=softmax_scale * common.LOG2E, causal=causal,
       num_stages=stages, in_place=not interpret, schedule=schedule,
-      q_register_dims=0 if interpret else config.q_register_dims, pair_axis=pair_axis)
+      pair_axis=pair_axis)
   out_parts, lse_parts = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((num_splits, batch, padded, CONTENT_DIM), jnp.float32),
@@ -368,8 +359,6 @@ def mla_decode_bf16(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array,
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
   config = config or TuningConfig()
-  if config.q_register_dims and schedule != "softmax_wg0":
-    raise ValueError(f"config.q_register_dims needs schedule='softmax_wg0', got {schedule=!r}")
   return _decode(q_nope, q_rope, latent, block_table, seq_lens,
                  softmax_scale=float(softmax_scale), causal=bool(causal),
                  config=config, schedule=schedule,
