@@ -12,14 +12,21 @@ quarters of every QK, softmax and P V are padding, and each page costs as much a
   ``P'`` are reductions across the four warps (through SMEM); the row sums ``l`` stay
   per (token slot, row) in registers until the end;
 * ``O^T += V^T P^T`` (``[256 dims, n]`` per P V warpgroup): on ``pv="fp8"`` V^T is the A
-  operand (built in SMEM as the default schedule builds it, tokens paired as P is) and
-  ``P_q`` (``[n, 64]``, tokens contiguous) the B; on ``pv="f16"`` V (dequantized) and
-  ``P_q^T`` are 16-bit, which wgmma reads in either major order.
+  operand, transposed from the page by 16-bit transposed loads and ``prmt`` (tokens paired
+  as P is), straight from registers (``TuningConfig.vt_registers``, on by default on a
+  GPU: four ``[64 dims, 64 tokens]`` wgmmas) or stored to SMEM first; ``P_q`` (``[n, 64]``,
+  tokens contiguous) is the B; on ``pv="f16"`` V (dequantized) and ``P_q^T`` are 16-bit,
+  which wgmma reads in either major order.
 
-The warpgroups are the default schedule's: softmax (wg 0) hands ``P_q`` and the column
+The warpgroups are the softmax_wg schedule's: softmax (wg 0) hands ``P_q`` and the column
 factor to two P V warpgroups (wg 1, 2: output dims ``[256 h, 256 h + 256)``), wg 1 refills
-the ring. P' quantization, eq. 12-13's rescaling and the masking are the default's
+the ring. P' quantization, eq. 12-13's rescaling and the masking are that schedule's
 (``mla_decode_fp8``), so ``reference.snapmla_emulate`` is the oracle for both.
+
+Measured (H100, bench/RESULTS.md, thirteenth session): at 16 query rows its page-step
+without HBM is 1.36 us (V^T from registers) against softmax_wg's 1.57, the default there
+(``mla_decode_fp8.default_schedule``); at 32 rows its two reductions across warps a page
+make it slower than softmax_wg (1.90 against 1.69).
 
 Token order on ``pv="fp8"``: the 8-bit B operand must hold each query row's 64 bytes of
 ``P_q`` contiguous, but a thread holds S^T's tokens ``16 w + i`` and ``16 w + i + 8``
