@@ -1,9 +1,10 @@
 """SnapMLA FP8 absorbed-MLA decode on Hopper, in Pallas Mosaic GPU.
 
 One CTA owns a tile of 64 query rows of one sequence and one split of its pages (the grid
-and splits of ``common``). This module's schedule (``schedule="softmax_wg"``; the others:
-``"two_softmax_wgs"``, below, and ``"seesaw"``, ``mla_decode_fp8_seesaw``) has three
-warpgroups:
+and splits of ``common``). This module's schedule (``schedule="softmax_wg"``, the default
+above 16 query rows a sequence; the others: ``"two_softmax_wgs"``, below, ``"seesaw"``,
+``mla_decode_fp8_seesaw``, and ``"swap_ab"``, ``mla_decode_fp8_swap_ab``, the default at
+up to 16 rows) has three warpgroups:
 
 * softmax (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma, ``Q_c`` held in registers as its A
   operand) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32 accumulator, restored by
