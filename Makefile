@@ -1,6 +1,6 @@
 # make setup: a venv in .venv with the package and its test extras.
 # make demo:  the main job. make test: the CPU test suite (what CI runs).
-# make sass-offline ONLY=fp8-fp8,bf16: ptxas's report and the SASS of the kernels, compiled
+# make sass-offline ONLY=fp8-fp8,bf16 [SASS_ARGS="--heads 16"]: ptxas's report and the SASS of the kernels, compiled
 #             for a compile-only Hopper on this CPU (bench/sass.py --offline; a 4 GB venv of
 #             the CUDA plugin in $(CUDA_VENV), made once; the ptxas on PATH comes first).
 PYTHON ?= $(shell for p in $$HOME/.pyenv/versions/3.12.*/bin/python python3.12 python3.13 python3; do \
@@ -11,6 +11,8 @@ PY := $(VENV)/bin/python
 CUDA_VENV ?= /tmp/snapmla-cuda-venv
 SASS_OUT ?= /tmp/snapmla-sass
 ONLY ?= fp8-fp8
+# e.g. SASS_ARGS="--heads 16 --batch 128" for swap_ab's shapes
+SASS_ARGS ?=
 
 .PHONY: setup demo test sass-offline bench-gpu clean
 
@@ -36,7 +38,7 @@ $(CUDA_VENV)/bin/python:
 sass-offline: $(CUDA_VENV)/bin/python
 	PATH="$$PATH:$$(echo $(CUDA_VENV)/lib/python3*/site-packages/nvidia/cu13/bin)" \
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu PYTHONPATH=. \
-	  $(CUDA_VENV)/bin/python bench/sass.py --offline --out $(SASS_OUT) --only $(ONLY)
+	  $(CUDA_VENV)/bin/python bench/sass.py --offline --out $(SASS_OUT) --only $(ONLY) $(SASS_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
