@@ -210,28 +210,28 @@ SWAP_AB_ABLATIONS = {
     "no_pv": [("          plgpu.wgmma(acc_ref, vt_tile, p_smem.at[buf].T)\n",
                "          del acc_ref, vt_tile\n")],
     "no_vt_build": [(
-        "      vt = transpose_v_registers(kc16_smem.at[slot], half, (first_page + step) * PAGE_SIZE,\n"
-        "                                 seq_len, masked)\n",
-        "      vt = [plgpu.layout_cast(jnp.zeros((QUERY_TILE, PAGE_SIZE), _FP8),\n"
-        "                              plgpu.Layout.WGMMA_8BIT)] * 4\n")],
+        "        vt = transpose_v_registers(kc16_smem.at[slot], half, (first_page + step) * PAGE_SIZE,\n"
+        "                                   seq_len, masked)\n",
+        "        vt = [plgpu.layout_cast(jnp.zeros((QUERY_TILE, PAGE_SIZE), _FP8),\n"
+        "                                plgpu.Layout.WGMMA_8BIT)] * 4\n")],
     # the softmax's two reductions across warps a page (max, P's block max) left out
-    "no_reductions": [("        m_new = jnp.maximum(m_i, t.max(axis=0))\n",
-                       "        m_new = jnp.maximum(m_i, full(0.0))\n"),
-                      ("        p_max = p_fused.max(axis=0)\n", "        p_max = full(1.0)\n")],
+    "no_reductions": [("          m_new = jnp.maximum(m_i, t.max(axis=0))\n",
+                       "          m_new = jnp.maximum(m_i, full(0.0))\n"),
+                      ("          p_max = p_fused.max(axis=0)\n", "          p_max = full(1.0)\n")],
     "no_p_store": [("        store_p_columns(p_q, p16_smem.at[buf])\n", "        del p_q\n")],
 }
 # A candidate, not an ablation (results stay right up to rounding): one exchange across
 # the warps a page instead of two, P's block max taken by its exponent:
 # max_t P'[t] = 2^(max_t (q t + log2 scale_k[t]) - q m), masked tokens (NaN scales) -inf.
 SWAP_AB_ABLATIONS["one_reduction"] = [
-    ("        m_new = jnp.maximum(m_i, t.max(axis=0))\n",
-     "        u = t * columns(q_scale) + jnp.log2(k_scale)\n"
-     "        if masked:\n"
-     "          u = jnp.where(visible, u, -jnp.inf)\n"
-     "        both = jnp.concatenate([t, u], axis=1).max(axis=0)\n"
-     "        m_new = jnp.maximum(m_i, both[:n])\n"),
-    ("        p_max = p_fused.max(axis=0)\n",
-     "        p_max = jnp.exp2(both[n:] - m_use * q_scale)\n"),
+    ("          m_new = jnp.maximum(m_i, t.max(axis=0))\n",
+     "          u = t * columns(q_scale) + jnp.log2(k_scale)\n"
+     "          if masked:\n"
+     "            u = jnp.where(visible, u, -jnp.inf)\n"
+     "          both = jnp.concatenate([t, u], axis=1).max(axis=0)\n"
+     "          m_new = jnp.maximum(m_i, both[:n])\n"),
+    ("          p_max = p_fused.max(axis=0)\n",
+     "          p_max = jnp.exp2(both[n:] - m_use * q_scale)\n"),
     ("  return 128 * n\n", "  return 256 * n  # both halves in one pass\n")]
 SWAP_AB_ABLATIONS["pv_wgs_idle"] = SWAP_AB_ABLATIONS["no_pv"] + SWAP_AB_ABLATIONS["no_vt_build"]
 SWAP_AB_ABLATIONS["idle_no_reductions"] = (SWAP_AB_ABLATIONS["pv_wgs_idle"]

@@ -44,14 +44,16 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~4 min) the H200's 16-head row: the FP8 default there (swap_ab, V^T from
+  next)  # (~5 min) the H200's 16-head row: the FP8 default there (swap_ab, V^T from
          # registers) against softmax_wg and V^T in SMEM, HBM pages then L2-resident pages
          # (the chains alone)
     skip=xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,fp8-swap-ab
     timeout 70 bash "$0" bench --skip $skip --shapes 128,16,1,16384
     timeout 60 bash "$0" bench --l2-pages --skip $skip,bf16 --shapes 128,16,1,16384
     # which warpgroup's chain sets swap_ab's page-step (H100 from L2: 1.36 us)
-    timeout 120 bash "$0" ablate --kernel swap_ab --l2-pages --shapes 128,16,1,16384 ;;
+    timeout 120 bash "$0" ablate --kernel swap_ab --l2-pages --shapes 128,16,1,16384
+    # its warpgroups' regions (fp8-fp8 is swap_ab at 16 heads; fp8-in-order is softmax_wg)
+    timeout 60 bash "$0" profile --batch 128 --heads 16 --context 4096 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \

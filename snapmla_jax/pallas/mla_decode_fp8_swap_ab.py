@@ -241,8 +241,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     def issue_qk(step, s_ref):
       """Starts ``S^T = K_c Q_c^T + K_r' Q_r'^T`` of page ``step`` (async wgmma)."""
       slot = lax.rem(step, num_stages)
-      for which in (_CONTENT, _ROPE):
-        plgpu.barrier_wait(kv_bar(step, which))
+      with jax.named_scope("wait_kv"):
+        for which in (_CONTENT, _ROPE):
+          plgpu.barrier_wait(kv_bar(step, which))
       plgpu.wgmma(s_ref, kc_smem.at[slot], qc_smem.T)
       plgpu.wgmma(s_ref, kr_smem.at[slot], qr_smem.T)
 
@@ -279,26 +280,30 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         @pl.when(step + 1 < num_steps)
         def _():
           issue_qk(step + 1, s_next_ref)
-        t = s * k_scale
-        if masked:
-          visible = common.visible_token_mask(
-              (first_page + step) * PAGE_SIZE, seq_len, row_tile, s_q=s_q, heads=heads,
-              causal=causal, tile_rows=n, token_axis=0)
-          t = jnp.where(visible, t, -jnp.inf)
-        m_new = jnp.maximum(m_i, t.max(axis=0))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2((m_i - m_use) * q_scale)
-        p = jnp.exp2(t * columns(q_scale) - columns(m_use * q_scale))
-        p_fused = p * k_scale  # P' = P * scale_k, one scale per (query row, page)
-        if masked:
-          p_fused = jnp.where(visible, p_fused, 0.0)
-        p_max = p_fused.max(axis=0)
-        sigma = jnp.where(p_max > 0,
-                          jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
-        inv_sigma = 1.0 / sigma
-        p_q = (p_fused * columns(inv_sigma)).astype(_FP8)
-        hand_off_p(step, p_q, alpha * sigma_i * inv_sigma)
-        return s_next_ref[...], m_new, l_part * columns(alpha) + p, sigma
+        with jax.named_scope("softmax"):
+          t = s * k_scale
+          if masked:
+            visible = common.visible_token_mask(
+                (first_page + step) * PAGE_SIZE, seq_len, row_tile, s_q=s_q, heads=heads,
+                causal=causal, tile_rows=n, token_axis=0)
+            t = jnp.where(visible, t, -jnp.inf)
+          m_new = jnp.maximum(m_i, t.max(axis=0))
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+          alpha = jnp.exp2((m_i - m_use) * q_scale)
+          p = jnp.exp2(t * columns(q_scale) - columns(m_use * q_scale))
+          p_fused = p * k_scale  # P' = P * scale_k, one scale per (query row, page)
+          if masked:
+            p_fused = jnp.where(visible, p_fused, 0.0)
+          p_max = p_fused.max(axis=0)
+          sigma = jnp.where(p_max > 0,
+                            jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
+          inv_sigma = 1.0 / sigma
+          p_q = (p_fused * columns(inv_sigma)).astype(_FP8)
+        with jax.named_scope("store_p"):
+          hand_off_p(step, p_q, alpha * sigma_i * inv_sigma)
+        with jax.named_scope("wait_qk"):
+          s_next = s_next_ref[...]
+        return s_next, m_new, l_part * columns(alpha) + p, sigma
 
       return pl.run_scoped(softmax_under_next_qk, plgpu.ACC(shape, jnp.float32))
 
@@ -337,6 +342,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.barrier_arrive(kv_free.at[slot])
       if issues_copies:
         @pl.when(step + num_stages < num_steps)
+        @jax.named_scope("refill")
         def _():
           plgpu.barrier_wait(kv_free.at[slot])
           issue_copies(step + num_stages, slot)
@@ -344,7 +350,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     def wait_factor(step):
       """Waits for page ``step``'s ``P_q``; its P buffer and column factor ``[n]``."""
       buf = lax.rem(step, P_BUFFERS)
-      plgpu.barrier_wait(p_ready.at[buf])
+      with jax.named_scope("wait_p"):
+        plgpu.barrier_wait(p_ready.at[buf])
       return buf, plgpu.load(factor_smem.at[buf], layout=query_layout)
 
     def prepare_page(step, parity):
@@ -389,9 +396,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       """``vt_registers``: page ``step``'s V^T half into registers, the slot released, then
       ``O^T += V^T P^T`` with V^T as the four wgmmas' A operand."""
       slot = lax.rem(step, num_stages)
-      plgpu.barrier_wait(kv_bar(step, _CONTENT))
-      vt = transpose_v_registers(kc16_smem.at[slot], half, (first_page + step) * PAGE_SIZE,
-                                 seq_len, masked)
+      with jax.named_scope("wait_kv"):
+        plgpu.barrier_wait(kv_bar(step, _CONTENT))
+      with jax.named_scope("prepare_v"):
+        vt = transpose_v_registers(kc16_smem.at[slot], half, (first_page + step) * PAGE_SIZE,
+                                   seq_len, masked)
       release(step, slot)
       buf, factor = wait_factor(step)
 
@@ -400,7 +409,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           plgpu.wgmma(acc_ref, vt_tile, p_smem.at[buf].T)
 
       factor = columns(factor, QUERY_TILE)
-      acc = pl.run_state(issue)(tuple(plgpu.ACC.init(a * factor) for a in acc))
+      with jax.named_scope("pv"):
+        acc = pl.run_state(issue)(tuple(plgpu.ACC.init(a * factor) for a in acc))
       plgpu.barrier_arrive(p_free.at[buf])
       return acc
 
