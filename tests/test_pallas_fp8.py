@@ -45,8 +45,11 @@ EMULATE_LSE_ATOL = 2e-3
 F8 = jnp.float8_e4m3fn
 SCHEDULES = ["softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab"]
 # The (pv, schedule) pairs that fit a Hopper's SMEM: the seesaw's f16 V buffers do not.
+# swap_ab's f16 route runs in interpret mode (tier 1) and passed the H100 grid once
+# (RESULTS.md, thirteenth session); its fp8 route, the default at up to 16 query rows, runs
+# here with V^T from registers (test_gpu_schedule_knobs: in SMEM).
 GPU_ROUTES = [("f16", "softmax_wg"), ("fp8", "softmax_wg"), ("fp8", "two_softmax_wgs"),
-              ("fp8", "seesaw"), ("f16", "swap_ab"), ("fp8", "swap_ab")]
+              ("fp8", "seesaw"), ("fp8", "swap_ab")]
 
 
 def run_and_check(case, *, s_q, causal=True, config=None, pv="f16", schedule="softmax_wg",
