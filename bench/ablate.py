@@ -62,17 +62,14 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     # Warpgroup 1 refills page i's slot one page later (while preparing page i + 1), so that
     # it does not stall on the other consumers' (and, multicast, the other CTA's) release.
     "refill_late": [
-        ("        @pl.when(step + num_stages < num_steps)\n"
-         "        @jax.named_scope(\"refill\")\n"
-         "        def _():\n"
-         "          plgpu.barrier_wait(kv_free.at[slot])\n"
-         "          issue_copies(step + num_stages, slot)\n",
+        ("      release_slot(kv_free, step, slot, num_stages, num_steps, refill)\n",
+         "      release_slot(kv_free, step, slot, num_stages, num_steps)\n"
+         "      if refill:\n"
          "        @pl.when((step >= 1) & (step - 1 + num_stages < num_steps))\n"
-         "        @jax.named_scope(\"refill\")\n"
          "        def _():\n"
          "          previous = lax.rem(step - 1, num_stages)\n"
          "          plgpu.barrier_wait(kv_free.at[previous])\n"
-         "          issue_copies(step - 1 + num_stages, previous)\n"),
+         "          refill(step - 1 + num_stages, previous)\n"),
     ],
     # The softmax warpgroup up to three pages ahead of P V instead of two (4 KB more SMEM)
     "p_buffers_3": [("P_BUFFERS = 2 ", "P_BUFFERS = 3 ")],

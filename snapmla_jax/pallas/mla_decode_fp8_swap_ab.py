@@ -57,8 +57,9 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM)
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U16,
                                                NUM_PV_WGS, P_BUFFERS, PvImpl, as_u16_pair,
-                                               dequantize_v_half, finish_rows,
-                                               issue_page_copies, prmt)
+                                               dequantize_v_half, fill_ring, finish_rows,
+                                               issue_page_copies, observe_ring_releases,
+                                               prmt, release_slot)
 
 SMEM_BYTES = 225 * 1024   # of the 227 KB: the rest for barriers and the reduction scratch
 # More pages in flight cost with HBM pages: V^T from registers, H100, b128 h16 s_q1 16k,
@@ -330,22 +331,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, P_BUFFERS)])
 
   def pv_warpgroup(half: int):
-    issues_copies = half == 0
-    if issues_copies:
-      for step in range(num_stages):
-        @pl.when(step < num_steps)
-        def _():
-          issue_copies(step, step)
+    refill = issue_copies if half == 0 else None  # warpgroup 1 refills the ring
+    if refill:
+      fill_ring(refill, num_stages, num_steps)
 
     def release(step, slot):
       """Releases page ``step``'s slot (its V half is built) and (warpgroup 1) refills it."""
-      plgpu.barrier_arrive(kv_free.at[slot])
-      if issues_copies:
-        @pl.when(step + num_stages < num_steps)
-        @jax.named_scope("refill")
-        def _():
-          plgpu.barrier_wait(kv_free.at[slot])
-          issue_copies(step + num_stages, slot)
+      release_slot(kv_free, step, slot, num_stages, num_steps, refill)
 
     def wait_factor(step):
       """Waits for page ``step``'s ``P_q``; its P buffer and column factor ``[n]``."""
@@ -426,11 +418,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         def _():
           prepare_page(0, 0)
       acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((HALF_DIM, n)))
-    if issues_copies:  # observe the releases of the last pages, which it did not refill
-      for back in range(num_stages, 0, -1):
-        @pl.when(num_steps - back >= 0)
-        def _():
-          plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
+    if refill:
+      observe_ring_releases(kv_free, num_stages, num_steps)
     _, factor = wait_factor(num_steps)
     if v_pages == 0:
       for m, tile in enumerate(acc):
@@ -451,8 +440,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
 def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
            in_place: bool, stages: int | None, vt_registers: bool = False):
-  """``(kernel, scratch, warpgroups, n)`` of ``schedule="swap_ab"`` (``n``: its tile's
-  query rows); the kernel writes ``out`` as ``[splits, batch, 512, rows]``."""
+  """``(kernel, scratch, warpgroups)`` of ``schedule="swap_ab"``; the kernel writes ``out``
+  as ``[splits, batch, 512, rows]`` in tiles of ``tile_rows(s_q, heads)`` rows."""
   n = tile_rows(s_q, heads)
   stages, v_pages = smem_plan(n, pv_impl, stages, vt_registers)
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, n=n, scale_log2=scale_log2,
@@ -487,7 +476,7 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
       plgpu.Barrier(num_barriers=P_BUFFERS),
       plgpu.Barrier(num_arrivals=NUM_PV_WGS, num_barriers=P_BUFFERS),
   ]
-  return kernel, scratch, 1 + NUM_PV_WGS, n
+  return kernel, scratch, 1 + NUM_PV_WGS
 
 
 def reduction_scratch_bytes(n: int) -> int:
