@@ -201,7 +201,8 @@ BF16_ABLATIONS["skeleton_same_page"] = BF16_ABLATIONS["skeleton"] + BF16_ABLATIO
 BF16_ABLATIONS["no_qk_no_softmax"] = BF16_ABLATIONS["no_qk"] + BF16_ABLATIONS["no_softmax"]
 
 # The FP8 kernel's swap_ab schedule (the default at 16 query rows), V^T from registers: which
-# warpgroup's chain sets its page-step (``--kernel swap_ab --l2-pages``)?
+# warpgroup's chain sets its page-step (``--kernel swap_ab --l2-pages``)? One page a step
+# (the thirteenth session's) against PAGES_PER_STEP.
 SWAP_AB_ABLATIONS = {
     "base": [],
     "no_pv": [("          plgpu.wgmma(acc_ref, vt_tile, p_smem.at[buf].T)\n",
@@ -211,25 +212,17 @@ SWAP_AB_ABLATIONS = {
         "                                   seq_len, masked)\n",
         "        vt = [plgpu.layout_cast(jnp.zeros((QUERY_TILE, PAGE_SIZE), _FP8),\n"
         "                                plgpu.Layout.WGMMA_8BIT)] * 4\n")],
-    # the softmax's two reductions across warps a page (max, P's block max) left out
-    "no_reductions": [("          m_new = jnp.maximum(m_i, t.max(axis=0))\n",
-                       "          m_new = jnp.maximum(m_i, full(0.0))\n"),
-                      ("          p_max = p_fused.max(axis=0)\n", "          p_max = full(1.0)\n")],
+    # the softmax's two reductions across warps a step (max, P's block maxima) left out
+    "no_reductions": [
+        ("          m_new = jnp.maximum(m_i, functools.reduce(jnp.maximum, ts).max(axis=0))\n",
+         "          m_new = jnp.maximum(m_i, full(0.0))\n"),
+        ("          p_max = p_maxima[j * n:(j + 1) * n] if pages > 1 else p_maxima\n",
+         "          p_max = full(1.0)\n")],
     "no_p_store": [("        store_p_columns(p_q, p16_smem.at[buf])\n", "        del p_q\n")],
+    # the thirteenth session's softmax: one page a step, two exchanges across warps each
+    "one_page_steps": [("PAGES_PER_STEP = 2 ", "PAGES_PER_STEP = 1 ")],
+    "stages_3": [("MAX_STAGES = 4\n", "MAX_STAGES = 3\n")],
 }
-# A candidate, not an ablation (results stay right up to rounding): one exchange across
-# the warps a page instead of two, P's block max taken by its exponent:
-# max_t P'[t] = 2^(max_t (q t + log2 scale_k[t]) - q m), masked tokens (NaN scales) -inf.
-SWAP_AB_ABLATIONS["one_reduction"] = [
-    ("          m_new = jnp.maximum(m_i, t.max(axis=0))\n",
-     "          u = t * columns(q_scale) + jnp.log2(k_scale)\n"
-     "          if masked:\n"
-     "            u = jnp.where(visible, u, -jnp.inf)\n"
-     "          both = jnp.concatenate([t, u], axis=1).max(axis=0)\n"
-     "          m_new = jnp.maximum(m_i, both[:n])\n"),
-    ("          p_max = p_fused.max(axis=0)\n",
-     "          p_max = jnp.exp2(both[n:] - m_use * q_scale)\n"),
-    ("  return 128 * n\n", "  return 256 * n  # both halves in one pass\n")]
 SWAP_AB_ABLATIONS["pv_wgs_idle"] = SWAP_AB_ABLATIONS["no_pv"] + SWAP_AB_ABLATIONS["no_vt_build"]
 SWAP_AB_ABLATIONS["idle_no_reductions"] = (SWAP_AB_ABLATIONS["pv_wgs_idle"]
                                            + SWAP_AB_ABLATIONS["no_reductions"])

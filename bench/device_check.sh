@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~6 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~8 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,16 +44,14 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~5 min) the H200's 16-head row: the FP8 default there (swap_ab, V^T from
-         # registers) against softmax_wg and V^T in SMEM, HBM pages then L2-resident pages
-         # (the chains alone)
-    skip=xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,fp8-swap-ab
-    timeout 70 bash "$0" bench --skip $skip --shapes 128,16,1,16384
-    timeout 60 bash "$0" bench --l2-pages --skip $skip,bf16 --shapes 128,16,1,16384
-    # which warpgroup's chain sets swap_ab's page-step (H100 from L2: 1.36 us)
-    timeout 120 bash "$0" ablate --kernel swap_ab --l2-pages --shapes 128,16,1,16384
-    # its warpgroups' regions (fp8-fp8 is swap_ab at 16 heads; fp8-in-order is softmax_wg)
-    timeout 60 bash "$0" profile --batch 128 --heads 16 --context 4096 ;;
+  next)  # (~8 min) swap_ab on 4 stages, two pages a softmax step (the default at 16 rows):
+         # its GPU grid and knobs, the 16-head rows with HBM (on an H200: the memory-bound
+         # target), then the 32-row shape without HBM (may swap_ab win there now?)
+    timeout 300 bash "$0" tests tests/test_pallas_fp8.py -k "fp8-swap_ab or swap_ab_vt_smem"
+    skip=xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,fp8-swap-ab-vt-smem
+    timeout 100 bash "$0" bench --skip $skip --shapes 128,16,1,16384 64,16,2,16384
+    timeout 70 bash "$0" ablate --kernel swap_ab --l2-pages --shapes 64,16,2,16384 \
+      --only one_page_steps ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \

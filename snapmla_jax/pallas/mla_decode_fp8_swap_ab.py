@@ -9,7 +9,9 @@ quarters of every QK, softmax and P V are padding, and each page costs as much a
 * ``S^T = K_c Q_c^T + K_r' Q_r'^T`` (``[64 tokens, n]``): the page's content (E4M3) and
   pre-scaled RoPE (BF16) are the A operands straight from the ring, Q the B operand;
 * the online softmax runs down S^T's columns: a column's max and the block max of
-  ``P'`` are reductions across the four warps (through SMEM); the row sums ``l`` stay
+  ``P'`` are reductions across the four warps (through SMEM and two warpgroup barriers
+  each), so it takes ``PAGES_PER_STEP`` full pages a step: one max for the step's pages
+  (they share ``m``) and one exchange for all their block maxima; the row sums ``l`` stay
   per (token slot, row) in registers until the end;
 * ``O^T += V^T P^T`` (``[256 dims, n]`` per P V warpgroup): on ``pv="fp8"`` V^T is the A
   operand, transposed from the page by 16-bit transposed loads and ``prmt`` (tokens paired
@@ -23,10 +25,11 @@ factor to two P V warpgroups (wg 1, 2: output dims ``[256 h, 256 h + 256)``), wg
 the ring. P' quantization, eq. 12-13's rescaling and the masking are that schedule's
 (``mla_decode_fp8``), so ``reference.snapmla_emulate`` is the oracle for both.
 
-Measured (H100, bench/RESULTS.md, thirteenth session): at 16 query rows its page-step
-without HBM is 1.36 us (V^T from registers) against softmax_wg's 1.57, the default there
-(``mla_decode_fp8.default_schedule``); at 32 rows its two reductions across warps a page
-make it slower than softmax_wg (1.90 against 1.69).
+Measured (H100, bench/RESULTS.md, thirteenth and fourteenth sessions): at 16 query rows
+its page-step without HBM is 1.08 us (two pages a softmax step, V^T from registers, 4
+stages) against 1.32 for one page a step and softmax_wg's 1.57; it is the default there
+(``mla_decode_fp8.default_schedule``). At 32 rows its reductions across warps make it
+slower than softmax_wg (2.0 against 1.69 us, one page a step).
 
 Token order on ``pv="fp8"``: the 8-bit B operand must hold each query row's 64 bytes of
 ``P_q`` contiguous, but a thread holds S^T's tokens ``16 w + i`` and ``16 w + i + 8``
@@ -56,15 +59,17 @@ from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_TILE,
                                        ROPE_DIM)
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U16,
-                                               NUM_PV_WGS, P_BUFFERS, PvImpl, as_u16_pair,
+                                               NUM_PV_WGS, PvImpl, as_u16_pair,
                                                dequantize_v_half, fill_ring, finish_rows,
                                                issue_page_copies, observe_ring_releases,
                                                prmt, release_slot)
 
-SMEM_BYTES = 225 * 1024   # of the 227 KB: the rest for barriers and the reduction scratch
-# More pages in flight cost with HBM pages: V^T from registers, H100, b128 h16 s_q1 16k,
-# 2 / 3 / 4 / 5 stages: 465.7 / 459.4 / 467.8 / 475.8 us (V^T in SMEM: 3 stages 463.6).
-MAX_STAGES = 3
+SMEM_BYTES = 226 * 1024   # of the 227 KB: the rest for the barriers
+# Two pages a softmax step need 4 stages (H100, b128 h16 s_q1 16k, V^T from registers, us a
+# page-step with L2-resident pages / us with HBM's): 3 stages 1.285 / 477.9, 4 stages
+# 1.077 / 453.9; one page a step on 3 stages 1.324 / 453.3 (more stages cost it there).
+MAX_STAGES = 4
+PAGES_PER_STEP = 2        # the softmax's full pages a step: one max across the warps for all
 P_SWIZZLE = 64            # pv="fp8": P_q's rows (and V^T's) are 64 bytes
 
 
@@ -190,20 +195,25 @@ def store_p_columns(p_q, p16_smem):
 
 
 def smem_plan(n: int, pv_impl: PvImpl, num_stages: int | None, vt_registers: bool = False):
-  """``(stages, v_pages)``: the ring's depth and V buffers per P V warpgroup (2: V^T of
-  page i + 1 built while page i's ``P_q`` is on its way; f16 V halves take one; none with
-  V^T in registers)."""
+  """``(stages, v_pages, pages)``: the ring's depth, the V buffers per P V warpgroup (2:
+  V^T of page i + 1 built while page i's ``P_q`` is on its way; f16 V halves take one;
+  none with V^T in registers) and the softmax's full pages a step (``PAGES_PER_STEP``
+  where the ring holds one more, else 1; ``2 * pages`` P buffers)."""
   page = PAGE_SIZE * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
   query = n * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
   p_bytes = 1 if pv_impl == "fp8" else 2
   v_pages = 0 if vt_registers else 2 if pv_impl == "fp8" else 1
-  fixed = (query + P_BUFFERS * n * PAGE_SIZE * p_bytes
-           + NUM_PV_WGS * v_pages * HALF_DIM * PAGE_SIZE * p_bytes)
-  fits = min(MAX_STAGES, (SMEM_BYTES - fixed) // page)
-  if num_stages is not None and num_stages > fits:
+  for pages in (PAGES_PER_STEP, 1):
+    fixed = (query + 2 * pages * n * PAGE_SIZE * p_bytes + reduction_scratch_bytes(n)
+             + NUM_PV_WGS * v_pages * HALF_DIM * PAGE_SIZE * p_bytes)
+    fits = min(MAX_STAGES, (SMEM_BYTES - fixed) // page)
+    stages = num_stages or fits
+    if pages + 1 <= stages <= fits:
+      return stages, v_pages, pages
+  if stages > fits:
     raise ValueError(f"schedule='swap_ab' with {n} query rows a tile fits at most {fits} "
                      f"stages, got config.num_stages={num_stages}")
-  return num_stages or fits, v_pages
+  return stages, v_pages, 1
 
 
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
@@ -213,10 +223,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             factor_smem, lse_smem,                               # SMEM
             q_bar, kv_ready, kv_free, p_ready, p_free,           # barriers
             *, s_q: int, heads: int, n: int, scale_log2: float, causal: bool,
-            num_stages: int, v_pages: int, pv_impl: PvImpl, in_place: bool):
+            num_stages: int, v_pages: int, pages: int, pv_impl: PvImpl, in_place: bool):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, tile_rows=n)
   wg = lax.axis_index("wg")
+  p_buffers = 2 * pages  # the softmax runs up to two steps ahead of P V
   if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
     (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
     if v_pages:
@@ -257,9 +268,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return lax.broadcast_in_dim(k_scale, shape, [0])
 
     def hand_off_p(step, p_q, factor):
-      buf = lax.rem(step, P_BUFFERS)
+      buf = lax.rem(step, p_buffers)
 
-      @pl.when(step >= P_BUFFERS)
+      @pl.when(step >= p_buffers)
       def _():
         plgpu.barrier_wait(p_free.at[buf])
       if pv_impl == "f16":
@@ -270,65 +281,93 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[buf])
 
-    def step_fn(step, carry, *, masked: bool):
-      """Page ``step``'s online-softmax step (as ``mla_decode_fp8``'s, down the columns),
-      under the next page's QK. ``l_part``: the exponentials summed per token slot."""
+    def group_step(group, carry, *, base, end, pages: int, masked: bool):
+      """The online-softmax step of pages ``[start, start + pages)`` (``start = base +
+      pages * group``, all below ``end``), as ``mla_decode_fp8``'s but down the columns
+      and under the next pages' QKs: one max across the warps for the group (its pages
+      share ``m``), one for their P' block maxima. ``l_part``: the exponentials summed per
+      token slot. The next group's pages are ``pages`` more if they are below ``end``,
+      else the page at ``start + pages`` alone (the next loop's first, if any)."""
       s, m_i, l_part, sigma_i = carry
+      start = base + pages * group
 
-      def softmax_under_next_qk(s_next_ref):
-        k_scale = page_scale(step)
-
-        @pl.when(step + 1 < num_steps)
-        def _():
-          issue_qk(step + 1, s_next_ref)
+      def softmax_under_next_qk(*s_next_refs):
+        k_scales = [page_scale(start + j) for j in range(pages)]
+        next_start = start + pages
+        for j, s_next_ref in enumerate(s_next_refs):
+          issue = next_start < end
+          if j == 0:
+            issue |= next_start < num_steps
+          pl.when(issue)(functools.partial(issue_qk, next_start + j, s_next_ref))
         with jax.named_scope("softmax"):
-          t = s * k_scale
-          if masked:
-            visible = common.visible_token_mask(
-                (first_page + step) * PAGE_SIZE, seq_len, row_tile, s_q=s_q, heads=heads,
-                causal=causal, tile_rows=n, token_axis=0)
-            t = jnp.where(visible, t, -jnp.inf)
-          m_new = jnp.maximum(m_i, t.max(axis=0))
+          ts, visibles = [], []
+          for j, (s_j, k_scale) in enumerate(zip(s, k_scales)):
+            t = s_j * k_scale
+            if masked:
+              visible = common.visible_token_mask(
+                  (first_page + start + j) * PAGE_SIZE, seq_len, row_tile, s_q=s_q,
+                  heads=heads, causal=causal, tile_rows=n, token_axis=0)
+              t = jnp.where(visible, t, -jnp.inf)
+              visibles.append(visible)
+            ts.append(t)
+          m_new = jnp.maximum(m_i, functools.reduce(jnp.maximum, ts).max(axis=0))
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
           alpha = jnp.exp2((m_i - m_use) * q_scale)
-          p = jnp.exp2(t * columns(q_scale) - columns(m_use * q_scale))
-          p_fused = p * k_scale  # P' = P * scale_k, one scale per (query row, page)
+          ps = [jnp.exp2(t * columns(q_scale) - columns(m_use * q_scale)) for t in ts]
+          p_fused = [p * k_scale for p, k_scale in zip(ps, k_scales)]  # P' = P * scale_k
           if masked:
-            p_fused = jnp.where(visible, p_fused, 0.0)
-          p_max = p_fused.max(axis=0)
+            p_fused = [jnp.where(v, p, 0.0) for v, p in zip(visibles, p_fused)]
+          p_maxima = (jnp.concatenate(p_fused, axis=1) if pages > 1 else p_fused[0]).max(axis=0)
+        factor, sigma = alpha, sigma_i  # eq. 12-13: the next page's P V rescales by factor
+        for j, p in enumerate(p_fused):  # one scale per (query row, page)
+          p_max = p_maxima[j * n:(j + 1) * n] if pages > 1 else p_maxima
+          sigma_prev = sigma
           sigma = jnp.where(p_max > 0,
-                            jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma_i)
+                            jnp.maximum(p_max * quant.INV_E4M3_MAX, quant.SCALE_EPS), sigma)
           inv_sigma = 1.0 / sigma
-          p_q = (p_fused * columns(inv_sigma)).astype(_FP8)
-        with jax.named_scope("store_p"):
-          hand_off_p(step, p_q, alpha * sigma_i * inv_sigma)
+          with jax.named_scope("store_p"):
+            hand_off_p(start + j, (p * columns(inv_sigma)).astype(_FP8),
+                       factor * sigma_prev * inv_sigma)
+          factor = 1.0
         with jax.named_scope("wait_qk"):
-          s_next = s_next_ref[...]
-        return s_next, m_new, l_part * columns(alpha) + p, sigma
+          s_next = tuple(ref[...] for ref in s_next_refs)
+        return s_next, m_new, l_part * columns(alpha) + functools.reduce(jnp.add, ps), sigma
 
-      return pl.run_scoped(softmax_under_next_qk, plgpu.ACC(shape, jnp.float32))
+      return pl.run_scoped(softmax_under_next_qk,
+                           *[plgpu.ACC(shape, jnp.float32) for _ in range(pages)])
 
-    def first_scores(s_ref):
-      @pl.when(num_steps > 0)
-      def _():
-        issue_qk(0, s_ref)
-      return s_ref[...]
+    # Groups of ``pages`` full pages, then the rest one by one (masked if partial). A group's
+    # hand-off waits for the next group's pages: the ring holds ``pages + 1`` (smem_plan),
+    # as the P V warpgroups release a page only after the previous page's P V.
+    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
+    num_groups = num_full // pages
+    grouped = num_groups * pages
+
+    def first_scores(*s_refs):
+      for j, s_ref in enumerate(s_refs):
+        pl.when(num_groups > 0 if j else num_steps > 0)(functools.partial(issue_qk, j, s_ref))
+      return tuple(ref[...] for ref in s_refs)
 
     def full(value):
       return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), query_layout)
 
-    carry = (pl.run_scoped(first_scores, plgpu.ACC(shape, jnp.float32)), full(-jnp.inf),
+    first = pl.run_scoped(first_scores,
+                          *[plgpu.ACC(shape, jnp.float32) for _ in range(pages)])
+    carry = (first, full(-jnp.inf),
              plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA), full(1.0))
-    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
-    _, m_i, l_part, sigma_i = lax.fori_loop(num_full, num_steps,
-                                            functools.partial(step_fn, masked=True), carry)
-    finish_rows((m_i, l_part.sum(axis=0), sigma_i), q_scale, num_steps, P_BUFFERS,
+    carry = lax.fori_loop(0, num_groups, functools.partial(
+        group_step, base=0, end=grouped, pages=pages, masked=False), carry)
+    carry = (carry[0][:1], *carry[1:])
+    for lo, hi, masked in ((grouped, num_full, False), (num_full, num_steps, True)):
+      carry = lax.fori_loop(0, hi - lo, functools.partial(
+          group_step, base=lo, end=hi, pages=1, masked=masked), carry)
+    _, m_i, l_part, sigma_i = carry
+    finish_rows((m_i, l_part.sum(axis=0), sigma_i), q_scale, num_steps, p_buffers,
                 factor_smem, lse_smem, lse_ref.at[split, b, rows], p_ready, p_free)
-    for back in range(P_BUFFERS - 1, 0, -1):  # releases no later page waited for
+    for back in range(p_buffers - 1, 0, -1):  # releases no later page waited for
       @pl.when(num_steps - back >= 0)
       def _():
-        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, P_BUFFERS)])
+        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, p_buffers)])
 
   def pv_warpgroup(half: int):
     refill = issue_copies if half == 0 else None  # warpgroup 1 refills the ring
@@ -341,7 +380,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
     def wait_factor(step):
       """Waits for page ``step``'s ``P_q``; its P buffer and column factor ``[n]``."""
-      buf = lax.rem(step, P_BUFFERS)
+      buf = lax.rem(step, p_buffers)
       with jax.named_scope("wait_p"):
         plgpu.barrier_wait(p_ready.at[buf])
       return buf, plgpu.load(factor_smem.at[buf], layout=query_layout)
@@ -443,22 +482,23 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
   """``(kernel, scratch, warpgroups)`` of ``schedule="swap_ab"``; the kernel writes ``out``
   as ``[splits, batch, 512, rows]`` in tiles of ``tile_rows(s_q, heads)`` rows."""
   n = tile_rows(s_q, heads)
-  stages, v_pages = smem_plan(n, pv_impl, stages, vt_registers)
+  stages, v_pages, pages = smem_plan(n, pv_impl, stages, vt_registers)
+  p_buffers = 2 * pages
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, n=n, scale_log2=scale_log2,
-                             causal=causal, num_stages=stages, v_pages=v_pages,
+                             causal=causal, num_stages=stages, v_pages=v_pages, pages=pages,
                              pv_impl=pv_impl, in_place=in_place)
   content = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
   if pv_impl == "f16":  # both operands of P V share a swizzle: P_q^T's rows are 2n bytes
     swizzle = min(128, 2 * n)
     v = common.smem((v_pages, PAGE_SIZE, HALF_DIM), jnp.float16, swizzle=swizzle)
-    p = common.smem((P_BUFFERS, PAGE_SIZE, n), jnp.float16, swizzle=swizzle)
+    p = common.smem((p_buffers, PAGE_SIZE, n), jnp.float16, swizzle=swizzle)
   else:
     content = plgpu.RefUnion(content,
                              common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
     v = plgpu.RefUnion(common.smem((v_pages, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
                        common.smem((v_pages, HALF_DIM, PAGE_SIZE // 2), _U16, swizzle=64))
-    p = plgpu.RefUnion(common.smem((P_BUFFERS, n, PAGE_SIZE), _FP8, swizzle=P_SWIZZLE),
-                       common.smem((P_BUFFERS, n, PAGE_SIZE // 2), _U16, swizzle=P_SWIZZLE))
+    p = plgpu.RefUnion(common.smem((p_buffers, n, PAGE_SIZE), _FP8, swizzle=P_SWIZZLE),
+                       common.smem((p_buffers, n, PAGE_SIZE // 2), _U16, swizzle=P_SWIZZLE))
   scratch = [
       common.smem((n, CONTENT_DIM), _FP8),
       plgpu.SMEM((n,), jnp.float32),
@@ -468,17 +508,18 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
       common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16),
       (v,) * NUM_PV_WGS if v_pages else (),
       p,
-      plgpu.SMEM((P_BUFFERS, n), jnp.float32),
+      plgpu.SMEM((p_buffers, n), jnp.float32),
       plgpu.SMEM((n,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=3 * stages),
       plgpu.Barrier(num_arrivals=1 + NUM_PV_WGS, num_barriers=stages),
-      plgpu.Barrier(num_barriers=P_BUFFERS),
-      plgpu.Barrier(num_arrivals=NUM_PV_WGS, num_barriers=P_BUFFERS),
+      plgpu.Barrier(num_barriers=p_buffers),
+      plgpu.Barrier(num_arrivals=NUM_PV_WGS, num_barriers=p_buffers),
   ]
   return kernel, scratch, 1 + NUM_PV_WGS
 
 
 def reduction_scratch_bytes(n: int) -> int:
-  """SMEM for the softmax's reductions across warps: 1 KB per 8 columns of S^T."""
-  return 128 * n
+  """SMEM for the softmax's reductions across warps: 1 KB per 8 columns of S^T, for a
+  step's pages at once."""
+  return 128 * n * PAGES_PER_STEP
