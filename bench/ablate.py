@@ -221,7 +221,7 @@ SWAP_AB_ABLATIONS = {
     "no_p_store": [("        store_p_columns(p_q, p16_smem.at[buf])\n", "        del p_q\n")],
     # the thirteenth session's softmax: one page a step, two exchanges across warps each
     "one_page_steps": [("PAGES_PER_STEP = 2 ", "PAGES_PER_STEP = 1 ")],
-    "stages_3": [("MAX_STAGES = 4\n", "MAX_STAGES = 3\n")],
+    "stages_3": [("EXTRA_STAGES = 2\n", "EXTRA_STAGES = 1\n")],
 }
 SWAP_AB_ABLATIONS["pv_wgs_idle"] = SWAP_AB_ABLATIONS["no_pv"] + SWAP_AB_ABLATIONS["no_vt_build"]
 SWAP_AB_ABLATIONS["idle_no_reductions"] = (SWAP_AB_ABLATIONS["pv_wgs_idle"]

@@ -102,6 +102,24 @@ def test_interpret_two_row_tiles_not_causal_zero_tokens(schedule):
   run_and_check(case, s_q=2, causal=False, schedule=schedule, interpret=True)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seq_lens,s_q,splits", [
+    ([5 * 64 + 10, 200], 1, None),  # two steps of two pages, one full page alone, a partial
+    ([7 * 64, 130], 2, 3),          # causal s_q = 2, splits of 3 pages: groups across splits
+])
+def test_interpret_swap_ab_two_pages_a_step(seq_lens, s_q, splits, monkeypatch):
+  """swap_ab's softmax on ``PAGES_PER_STEP`` pages a step, which only V^T from registers
+  (GPU) gets a ring deep enough for by default: here the f16 route on 3 stages."""
+  from snapmla_jax.pallas import mla_decode_fp8_swap_ab
+  monkeypatch.setattr(mla_decode_fp8_swap_ab, "EXTRA_STAGES", 1)
+  assert mla_decode_fp8_swap_ab.smem_plan(16, "f16", None)[2] == 2
+  jax.clear_caches()  # no trace of the default plan
+  case = make_case(2, seq_lens, s_q=s_q, heads=16 // s_q, kinds=("fp8",))
+  run_and_check(case, s_q=s_q, config=TuningConfig(num_splits=splits), schedule="swap_ab",
+                interpret=True)
+  jax.clear_caches()
+
+
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""

@@ -65,10 +65,11 @@ from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U
                                                prmt, release_slot)
 
 SMEM_BYTES = 226 * 1024   # of the 227 KB: the rest for the barriers
-# Two pages a softmax step need 4 stages (H100, b128 h16 s_q1 16k, V^T from registers, us a
-# page-step with L2-resident pages / us with HBM's): 3 stages 1.285 / 477.9, 4 stages
-# 1.077 / 453.9; one page a step on 3 stages 1.324 / 453.3 (more stages cost it there).
-MAX_STAGES = 4
+# The ring holds a step's pages, the next step's and one more (H100, b128 h16 s_q1 16k,
+# V^T from registers, us a page-step with L2-resident pages / us with HBM's): two pages a
+# step on 3 stages 1.285 / 477.9, on 4 stages 1.077 / 453.9; one page a step on 3 stages
+# 1.324 / 453.3, on 2 / 4 / 5 stages 465.7 / 467.8 / 475.8 us with HBM's.
+EXTRA_STAGES = 2
 PAGES_PER_STEP = 2        # the softmax's full pages a step: one max across the warps for all
 P_SWIZZLE = 64            # pv="fp8": P_q's rows (and V^T's) are 64 bytes
 
@@ -198,17 +199,19 @@ def smem_plan(n: int, pv_impl: PvImpl, num_stages: int | None, vt_registers: boo
   """``(stages, v_pages, pages)``: the ring's depth, the V buffers per P V warpgroup (2:
   V^T of page i + 1 built while page i's ``P_q`` is on its way; f16 V halves take one;
   none with V^T in registers) and the softmax's full pages a step (``PAGES_PER_STEP``
-  where the ring holds one more, else 1; ``2 * pages`` P buffers)."""
+  where the ring holds ``pages + EXTRA_STAGES``, else 1; ``2 * pages`` P buffers). Tiles
+  of 64 rows take one page a step: the S^T of two steps' pages would hold 128 registers
+  a thread."""
   page = PAGE_SIZE * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
   query = n * (CONTENT_DIM + 4 + 2 * ROPE_DIM)
   p_bytes = 1 if pv_impl == "fp8" else 2
   v_pages = 0 if vt_registers else 2 if pv_impl == "fp8" else 1
-  for pages in (PAGES_PER_STEP, 1):
+  for pages in (PAGES_PER_STEP if n < QUERY_TILE else 1, 1):
     fixed = (query + 2 * pages * n * PAGE_SIZE * p_bytes + reduction_scratch_bytes(n)
              + NUM_PV_WGS * v_pages * HALF_DIM * PAGE_SIZE * p_bytes)
-    fits = min(MAX_STAGES, (SMEM_BYTES - fixed) // page)
+    fits = min(pages + EXTRA_STAGES, (SMEM_BYTES - fixed) // page)
     stages = num_stages or fits
-    if pages + 1 <= stages <= fits:
+    if pages + EXTRA_STAGES <= stages <= fits:
       return stages, v_pages, pages
   if stages > fits:
     raise ValueError(f"schedule='swap_ab' with {n} query rows a tile fits at most {fits} "
@@ -337,8 +340,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                            *[plgpu.ACC(shape, jnp.float32) for _ in range(pages)])
 
     # Groups of ``pages`` full pages, then the rest one by one (masked if partial). A group's
-    # hand-off waits for the next group's pages: the ring holds ``pages + 1`` (smem_plan),
-    # as the P V warpgroups release a page only after the previous page's P V.
+    # hand-off waits for the next group's pages: the ring holds more than ``pages``
+    # (smem_plan), as the P V warpgroups release a page only after the previous page's P V.
     num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
     num_groups = num_full // pages
     grouped = num_groups * pages
