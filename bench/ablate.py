@@ -219,6 +219,22 @@ SWAP_AB_ABLATIONS = {
         ("          p_max = p_maxima[j * n:(j + 1) * n] if pages > 1 else p_maxima\n",
          "          p_max = full(1.0)\n")],
     "no_p_store": [("        store_p_columns(p_q, p16_smem.at[buf])\n", "        del p_q\n")],
+    # A candidate, not an ablation (results stay right up to rounding): one exchange across
+    # the warps a step instead of two, each page's P' block max taken from its exponent:
+    # max_t P'[t] = 2^(max_t (q t + log2 scale_k[t]) - q m), masked tokens -inf.
+    "one_exchange": [
+        ("          m_new = jnp.maximum(m_i, functools.reduce(jnp.maximum, ts).max(axis=0))\n",
+         "          us = [t * columns(q_scale) + jnp.log2(k) for t, k in zip(ts, k_scales)]\n"
+         "          if masked:\n"
+         "            us = [jnp.where(v, u, -jnp.inf) for v, u in zip(visibles, us)]\n"
+         "          both = jnp.concatenate([functools.reduce(jnp.maximum, ts), *us],\n"
+         "                                 axis=1).max(axis=0)\n"
+         "          m_new = jnp.maximum(m_i, both[:n])\n"),
+        ("          p_maxima = (jnp.concatenate(p_fused, axis=1) if pages > 1 else p_fused[0]).max(axis=0)\n",
+         ""),
+        ("          p_max = p_maxima[j * n:(j + 1) * n] if pages > 1 else p_maxima\n",
+         "          p_max = jnp.exp2(both[(j + 1) * n:(j + 2) * n] - m_use * q_scale)\n"),
+        ("  return 128 * n * PAGES_PER_STEP\n", "  return 128 * n * (PAGES_PER_STEP + 1)\n")],
     # the thirteenth session's softmax: one page a step, two exchanges across warps each
     "one_page_steps": [("PAGES_PER_STEP = 2 ", "PAGES_PER_STEP = 1 ")],
     "stages_3": [("EXTRA_STAGES = 2\n", "EXTRA_STAGES = 1\n")],

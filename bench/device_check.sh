@@ -46,12 +46,13 @@ case $what in
     fi ;;
   next)  # (~8 min) swap_ab on 4 stages, two pages a softmax step (the default at 16 rows):
          # its GPU grid and knobs, the 16-head rows with HBM (on an H200: the memory-bound
-         # target), then the 32-row shape without HBM (may swap_ab win there now?)
+         # target), then without HBM at 16 and 32 rows: one page a step, and one exchange
+         # across warps a step (candidate) against the default (may swap_ab win at 32 now?)
     timeout 300 bash "$0" tests tests/test_pallas_fp8.py -k "fp8-swap_ab or swap_ab_vt_smem"
     skip=xla-bf16,bf16-multicast,bf16-token-halves,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,fp8-swap-ab-vt-smem
     timeout 100 bash "$0" bench --skip $skip --shapes 128,16,1,16384 64,16,2,16384
-    timeout 70 bash "$0" ablate --kernel swap_ab --l2-pages --shapes 64,16,2,16384 \
-      --only one_page_steps ;;
+    timeout 110 bash "$0" ablate --kernel swap_ab --l2-pages --shapes 128,16,1,16384 \
+      64,16,2,16384 --only one_page_steps,one_exchange ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \
