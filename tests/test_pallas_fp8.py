@@ -246,6 +246,18 @@ def test_swap_ab_vt_smem_lowers_for_cuda():  # V^T from registers is the default
   assert "mosaic_gpu" in lower(128, 1, 16, 16384, "fp8", "swap_ab", config=config)
 
 
+def test_swap_ab_smem_plan():  # (stages, V buffers, pages a softmax step)
+  from snapmla_jax.pallas.mla_decode_fp8_swap_ab import smem_plan
+  assert smem_plan(16, "fp8", None, vt_registers=True) == (4, 0, 2)  # the default at 16 rows
+  assert smem_plan(32, "fp8", None, vt_registers=True) == (4, 0, 2)
+  assert smem_plan(64, "fp8", None, vt_registers=True) == (3, 0, 1)  # S^T's registers
+  assert smem_plan(16, "fp8", None) == (3, 2, 1)  # V^T in SMEM: no room for 4 stages
+  assert smem_plan(16, "f16", None) == (3, 1, 1)
+  assert smem_plan(16, "fp8", 3, vt_registers=True) == (3, 0, 1)  # a ring too shallow
+  with pytest.raises(ValueError, match="fits at most 3 stages"):
+    smem_plan(16, "fp8", 4)
+
+
 def test_default_schedule_by_query_rows():  # swap_ab where rows would pad 64-row tiles most
   assert [default_schedule(s_q, h) for s_q, h in [(1, 8), (1, 16), (2, 16), (1, 128)]] == [
       "swap_ab", "swap_ab", "softmax_wg", "softmax_wg"]
