@@ -169,6 +169,19 @@ def observe_ring_releases(kv_free, num_stages: int, num_steps) -> None:
       plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
 
 
+def observe_p_releases(p_free, p_buffers: int, num_steps, owns=None) -> None:
+  """The softmax warpgroup's wait for the P buffers' releases that no later page waited
+  for (every phase of a barrier a thread waits on is waited): the last ``p_buffers - 1``
+  pages', those ``owns(step)`` where given (warpgroups taking alternate pages)."""
+  for back in range(p_buffers - 1, 0, -1):
+    step = num_steps - back
+    mine = step >= 0 if owns is None else jnp.logical_and(step >= 0, owns(step))
+
+    @pl.when(mine)
+    def _():
+      plgpu.barrier_wait(p_free.at[lax.rem(step, p_buffers)])
+
+
 def dequantize_v_half(page_smem, v_smem, half: int, first_token, seq_len, masked: bool):
   """``v_smem = f16(page[:, half])``: one half of a page's V, exactly, for ``pv="f16"``.
 
@@ -516,16 +529,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     finish_rows(final_state, q_scale, num_steps, p_buffers, factor_smem, lse_smem,
                 lse_ref.at[split, b, rows], p_ready, p_free)
 
-  def observe_last_releases(owns):
-    """Waits for the P buffers' releases that no later page waited for (every phase of a
-    barrier a warpgroup waits on is waited), those of the pages ``owns(step)``."""
-    for back in range(p_buffers - 1, 0, -1):
-      step = num_steps - back
-
-      @pl.when(jnp.logical_and(step >= 0, owns(step)))
-      def _():
-        plgpu.barrier_wait(p_free.at[lax.rem(step, p_buffers)])
-
   def softmax_warpgroup():
     q_content, q_scale = load_query(copy=True)
 
@@ -594,7 +597,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     _, *final_state = lax.fori_loop(num_full, num_steps,
                                     functools.partial(step_fn, masked=True), carry)
     finish(final_state, q_scale)
-    observe_last_releases(lambda step: True)
+    observe_p_releases(p_free, p_buffers, num_steps)
 
   def alternating_softmax_warpgroup(h: int):
     """``softmax_wgs=2``: warpgroup ``h`` takes pages ``s = h, h + 2, ...``: their QK (Q's
@@ -658,7 +661,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     @pl.when(lax.rem(num_steps, 2) == h)
     def _():
       finish(previous_state(num_steps), q_scale)
-    observe_last_releases(lambda step: lax.rem(step, 2) == h)
+    observe_p_releases(p_free, p_buffers, num_steps, owns=lambda step: lax.rem(step, 2) == h)
 
   def pv_warpgroup(half: int):
     if softmax_wgs == 2:
@@ -942,9 +945,10 @@ def default_schedule(s_q: int, heads: int) -> Schedule:
   """``"swap_ab"`` for at most 16 query rows a sequence (e.g. 16 heads, one query), where
   the other schedules pad every page's work to 64 rows; ``"softmax_wg"`` otherwise.
 
-  H100, b128 h16 s_q1 16k (RESULTS.md, thirteenth session): 459 us against 473 with HBM
-  pages, 348 against 402 from L2 (the chains alone). At 32 rows (h16 s_q2) the
-  softmax's reductions across warps cost more than the padding: 243 against 217 from L2.
+  H100, b128 h16 s_q1 16k (RESULTS.md, thirteenth and fourteenth sessions): 453.9 us
+  against 472-474 with HBM pages, 1.08 against 1.57 us a page-step from L2 (the chains
+  alone). At 32 rows (h16 s_q2) the softmax's reductions across warps cost more than the
+  padding (2.0 against 1.69 us a page-step from L2, one page a softmax step).
   """
   return "swap_ab" if s_q * heads <= 16 else "softmax_wg"
 

@@ -61,8 +61,8 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U16,
                                                NUM_PV_WGS, PvImpl, as_u16_pair,
                                                dequantize_v_half, fill_ring, finish_rows,
-                                               issue_page_copies, observe_ring_releases,
-                                               prmt, release_slot)
+                                               issue_page_copies, observe_p_releases,
+                                               observe_ring_releases, prmt, release_slot)
 
 SMEM_BYTES = 226 * 1024   # of the 227 KB: the rest for the barriers
 # The ring holds a step's pages, the next step's and one more (H100, b128 h16 s_q1 16k,
@@ -297,10 +297,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       def softmax_under_next_qk(*s_next_refs):
         k_scales = [page_scale(start + j) for j in range(pages)]
         next_start = start + pages
-        for j, s_next_ref in enumerate(s_next_refs):
-          issue = next_start < end
-          if j == 0:
-            issue |= next_start < num_steps
+        for j, s_next_ref in enumerate(s_next_refs):  # the first may open the next loop
+          issue = next_start < (num_steps if j == 0 else end)
           pl.when(issue)(functools.partial(issue_qk, next_start + j, s_next_ref))
         with jax.named_scope("softmax"):
           ts, visibles = [], []
@@ -367,10 +365,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     _, m_i, l_part, sigma_i = carry
     finish_rows((m_i, l_part.sum(axis=0), sigma_i), q_scale, num_steps, p_buffers,
                 factor_smem, lse_smem, lse_ref.at[split, b, rows], p_ready, p_free)
-    for back in range(p_buffers - 1, 0, -1):  # releases no later page waited for
-      @pl.when(num_steps - back >= 0)
-      def _():
-        plgpu.barrier_wait(p_free.at[lax.rem(num_steps - back, p_buffers)])
+    observe_p_releases(p_free, p_buffers, num_steps)
 
   def pv_warpgroup(half: int):
     refill = issue_copies if half == 0 else None  # warpgroup 1 refills the ring
