@@ -297,8 +297,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       def softmax_under_next_qk(*s_next_refs):
         k_scales = [page_scale(start + j) for j in range(pages)]
         next_start = start + pages
-        for j, s_next_ref in enumerate(s_next_refs):  # the first may open the next loop
-          issue = next_start < (num_steps if j == 0 else end)
+        for j, s_next_ref in enumerate(s_next_refs):
+          issue = next_start < end
+          if j == 0:  # the first may open the next loop
+            issue |= next_start < num_steps
           pl.when(issue)(functools.partial(issue_qk, next_start + j, s_next_ref))
         with jax.named_scope("softmax"):
           ts, visibles = [], []
