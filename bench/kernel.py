@@ -8,7 +8,7 @@ the measured H200 ceilings below), and the ratios to the XLA path and FP8 / BF16
 rows include the query's quantization, by the Fused-Q-Quant kernel as ``mla_decode`` runs it
 (until 84c57a5: XLA's five fusions, ~10 us at b32 h128).
 
-  python bench/kernel.py [--quick | --shapes 32,128,1,16384 ...] [--md PATH] [--skip IMPL,...]
+  python bench/kernel.py [--quick | --shapes 32,128,1,16384 ...] [--md PATH] [--skip IMPL,... | --only IMPL,...]
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def main():
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--md", default=None)
   parser.add_argument("--skip", default="", help="comma-separated impls to leave out")
+  parser.add_argument("--only", default="", help="comma-separated impls to keep (all: '')")
   parser.add_argument("--shapes", nargs="*", default=None, help="batch,heads,s_q,context ...")
   parser.add_argument("--l2-pages", action="store_true",
                       help="every sequence reads the same pages, from L2 (no HBM bound)")
@@ -122,6 +123,8 @@ def main():
   table = impls(None if args.fp8_stages is None else TuningConfig(num_stages=args.fp8_stages))
   for name in filter(None, args.skip.split(",")):
     table.pop(name, None)
+  if args.only:
+    table = {name: table[name] for name in args.only.split(",")}
   rows = []
   for batch, heads, s_q, context in shapes:
     kinds = {kind for kind, _ in table.values()}
