@@ -46,10 +46,10 @@ case $what in
     fi ;;
   next)  # (~6 min) swap_ab's GPU tests that no call has reached at its current code (two
          # pages a softmax step, 4 stages): splits, not causal, a non-finite token
-    timeout 240 bash "$0" tests tests/test_pallas_fp8.py \
+    timeout 200 bash "$0" tests tests/test_pallas_fp8.py \
       -k "fp8-swap_ab and (not_causal or test_gpu_splits or non_finite)"
     # 32 query rows: does swap_ab (two pages a step, 4 stages) beat softmax_wg there now?
-    timeout 200 bash "$0" bench --only bf16,fp8-softmax-wg,fp8-swap-ab \
+    timeout 150 bash "$0" bench --only bf16,fp8-softmax-wg,fp8-swap-ab \
       --shapes 32,32,1,16384 32,16,2,16384 64,16,2,16384 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
