@@ -11,6 +11,11 @@ Implementations:
   pipeline of the kernel (FP8 Q, scale-fused block-quantized P), in jnp; the oracle.
 * ``"auto"``: ``"pallas"`` on a Hopper GPU for the kernels' shapes (512 + 64 dims,
   64-token pages), ``"xla"`` otherwise.
+
+Bad lengths and page ids raise at trace time where they are concrete; under ``jax.jit``
+they are values, and a sequence whose ``seq_len`` is out of range or whose block table
+names a page outside the cache for a page that holds tokens gets NaN outputs and lse,
+never a silently truncated result.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def mla_decode(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentCache,
   Returns:
     ``(out [batch, s_q, heads, kv_lora_rank] in q_nope.dtype, lse f32 [batch, heads, s_q])``,
     ``lse`` the natural log of the softmax denominator; a query that sees no token
-    gives zeros and ``-inf``.
+    gives zeros and ``-inf``; a sequence with a traced ``seq_len`` or used page id out of
+    range gives NaN (the module docstring).
   """
   _check_inputs(q_nope, q_rope, cache, block_table, seq_lens)
   if softmax_scale is None:
@@ -71,7 +77,20 @@ def mla_decode(q_nope: jax.Array, q_rope: jax.Array, cache: PagedLatentCache,
                                softmax_scale=softmax_scale, causal=causal)
   else:
     raise ValueError(f'impl must be "auto", "xla", "emulate" or "pallas", got {impl=!r}')
-  return out.astype(q_nope.dtype), lse
+  bad = _bad_sequences(cache, block_table, seq_lens)
+  out = jnp.where(bad[:, None, None, None], jnp.nan, out.astype(q_nope.dtype))
+  return out, jnp.where(bad[:, None, None], jnp.nan, lse)
+
+
+def _bad_sequences(cache: PagedLatentCache, block_table, seq_lens):
+  """bool ``[batch]``: ``seq_len`` outside ``[0, max_pages * page_size]``, or a page that
+  holds tokens with an id outside ``[0, num_pages)`` (``_check_inputs`` raises for these
+  where the values are concrete)."""
+  max_pages = block_table.shape[1]
+  used = jnp.arange(max_pages)[None, :] < -(-seq_lens[:, None] // cache.page_size)
+  outside = (block_table < 0) | (block_table >= cache.num_pages)
+  return ((seq_lens < 0) | (seq_lens > max_pages * cache.page_size)
+          | jnp.any(used & outside, axis=1))
 
 
 def _kernels_apply(cache: PagedLatentCache) -> bool:

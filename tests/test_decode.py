@@ -13,6 +13,8 @@ content, like a trained model's RoPE outliers):
   cache, bf16's (bound 1e-2).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,29 @@ def test_non_finite_token_poisons_only_the_rows_that_see_it(kind, impl):
   q_nope, q_rope = make_queries(12, 2, 1, 4)
   out, _ = mla_decode(q_nope, q_rope, cache, batch.block_table, batch.seq_lens, impl=impl)
   assert_poisoned_rows(out)
+
+
+@pytest.mark.parametrize("kind, impl", PATHS)
+def test_traced_bad_lengths_and_pages_poison_their_sequence(kind, impl):
+  """Under jit the trace-time checks cannot see values: a sequence with seq_len past its
+  block table's capacity, a negative one, or a used page id outside the cache gets NaN;
+  the others, and unused entries holding any value, are unaffected."""
+  batch = make_paged_batch(15, [70, 10, 130, 64], kinds=(kind,))
+  cache = batch.caches[kind]
+  q_nope, q_rope = make_queries(15, 4, 1, 4)
+  decode = jax.jit(functools.partial(mla_decode, impl=impl))
+  good_out, good_lse = decode(q_nope, q_rope, cache, batch.block_table, batch.seq_lens)
+  capacity = batch.block_table.shape[1] * cache.page_size
+  table = batch.block_table.at[1, 0].set(cache.num_pages)   # seq 1's only used page
+  table = table.at[3, -1].set(-7)                           # unused by seq 3 (64 tokens)
+  lens = batch.seq_lens.at[0].set(capacity + 1).at[2].set(-1)
+  out, lse = decode(q_nope, q_rope, cache, table, lens)
+  for b in range(3):
+    assert np.isnan(np.asarray(out[b], np.float32)).all() and np.isnan(lse[b]).all()
+  np.testing.assert_array_equal(np.asarray(out[3], np.float32),
+                                np.asarray(good_out[3], np.float32))
+  np.testing.assert_array_equal(lse[3], good_lse[3])
+  assert np.isfinite(np.asarray(good_out, np.float32)).all()
 
 
 def test_rejects_bad_input():
