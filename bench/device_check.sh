@@ -44,11 +44,15 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~6 min) swap_ab's GPU tests that no call has reached at its current code (two
-         # pages a softmax step, 4 stages): splits, not causal, a non-finite token
+  next)  # (~3 min) at b32 h128: two full pages a softmax step (Q from SMEM, V^T in order,
+         # 3 stages: ablate's pairs candidate) against the in-order and the default kernels;
+         # then swap_ab's GPU tests that no call has reached at its current code (two pages a
+         # softmax step, 4 stages): splits, not causal, a non-finite token; then swap_ab
+         # against softmax_wg at 32 query rows
+    timeout 110 bash "$0" ablate --shapes 32,128,1,16384 --in-order-pv --only pairs
+    timeout 50 bash "$0" ablate --shapes 32,128,1,16384 --only base
     timeout 200 bash "$0" tests tests/test_pallas_fp8.py \
       -k "fp8-swap_ab and (not_causal or test_gpu_splits or non_finite)"
-    # 32 query rows: does swap_ab (two pages a step, 4 stages) beat softmax_wg there now?
     timeout 150 bash "$0" bench --only bf16,fp8-softmax-wg,fp8-swap-ab \
       --shapes 32,32,1,16384 32,16,2,16384 64,16,2,16384 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
