@@ -5,7 +5,7 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~8 min)
+#   bash bench/device_check.sh next     (the measurements the last session left open, ~8.5 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,7 +44,7 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~3 min) at b32 h128: two full pages a softmax step (Q from SMEM, V^T in order,
+  next)  # (~8.5 min) at b32 h128: two full pages a softmax step (Q from SMEM, V^T in order,
          # 3 stages: ablate's pairs candidate) against the in-order and the default kernels;
          # then swap_ab's GPU tests that no call has reached at its current code (two pages a
          # softmax step, 4 stages): splits, not causal, a non-finite token; then swap_ab
