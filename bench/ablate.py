@@ -81,11 +81,11 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          issue_qk(step + 1, s_next_ref, q_content)\n"
          "        m_new, alpha, l_new, p_fused = softmax_page(",
          "        m_new, alpha, l_new, p_fused = softmax_page("),
-        ("        with jax.named_scope(\"store_p\"):\n",
+        ("        with jax.named_scope(\"store_p\"):\n          hand_off_p(step, p_q, factor)\n",
          "        @pl.when(step + 1 < num_steps)\n"
          "        def _():\n"
          "          issue_qk(step + 1, s_next_ref, q_content)\n"
-         "        with jax.named_scope(\"store_p\"):\n"),
+         "        with jax.named_scope(\"store_p\"):\n          hand_off_p(step, p_q, factor)\n"),
     ],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)\n",
