@@ -16,7 +16,8 @@ up to 16 rows) has three warpgroups:
   chain all the same, RESULTS.md). Taking full pages two at a time (one online-softmax
   step per pair) and handing ``P`` to the P V warpgroups to quantize were both slower
   (RESULTS.md, eleventh session), and so was quantizing and handing off page i - 1's
-  ``P'`` under page i's QK (twelfth session).
+  ``P'`` under page i's QK (twelfth session). ``PAGES_PER_STEP = 2`` is the pairs' form
+  that fits the registers (Q from SMEM), landed untimed (fifteenth session).
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
   ``acc <- acc * factor + P_q V``. On a GPU (``TuningConfig.overlap_pv``, on by default
