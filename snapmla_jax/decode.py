@@ -87,10 +87,16 @@ def _bad_sequences(cache: PagedLatentCache, block_table, seq_lens):
   holds tokens with an id outside ``[0, num_pages)`` (``_check_inputs`` raises for these
   where the values are concrete)."""
   max_pages = block_table.shape[1]
-  used = jnp.arange(max_pages)[None, :] < -(-seq_lens[:, None] // cache.page_size)
+  used = _pages_holding_tokens(seq_lens, max_pages, cache.page_size)
   outside = (block_table < 0) | (block_table >= cache.num_pages)
   return ((seq_lens < 0) | (seq_lens > max_pages * cache.page_size)
           | jnp.any(used & outside, axis=1))
+
+
+def _pages_holding_tokens(seq_lens, max_pages: int, page_size: int):
+  """bool ``[batch, max_pages]``: the block-table entries that name pages holding tokens
+  (only those are read)."""
+  return jnp.arange(max_pages)[None, :] < -(-jnp.asarray(seq_lens)[:, None] // page_size)
 
 
 def _kernels_apply(cache: PagedLatentCache) -> bool:
@@ -170,8 +176,7 @@ def _check_inputs(q_nope, q_rope, cache, block_table, seq_lens) -> None:
   if not isinstance(block_table, jax.core.Tracer) and not isinstance(seq_lens, jax.core.Tracer):
     # Only the pages that hold tokens are read; other entries may hold anything.
     table = np.asarray(block_table)
-    pages_used = -(-np.asarray(seq_lens) // cache.page_size)
-    used = np.arange(table.shape[1])[None, :] < pages_used[:, None]
+    used = np.asarray(_pages_holding_tokens(seq_lens, table.shape[1], cache.page_size))
     if used.any() and (table[used].min() < 0 or table[used].max() >= cache.num_pages):
       raise ValueError(f"block_table entries of pages that hold tokens must be in "
                        f"[0, {cache.num_pages}), got min {table[used].min()} "

@@ -610,19 +610,16 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
       pages = pl.run_scoped(scores, *[plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)] * 2)
       k_scales = [page_scale(2 * j + h) for h in range(2)]
-      with jax.named_scope("softmax"):
-        ts = [s * k for s, k in zip(pages, k_scales)]
-        m_new = jnp.maximum(m_i, jnp.maximum(*ts).max(axis=1))
-        alpha = jnp.exp2((m_i - m_new) * q_scale)
-        row_scale = common.row_broadcast(q_scale, ts[0].shape)
-        offset = common.row_broadcast(m_new * q_scale, ts[0].shape)
-        ps = [jnp.exp2(t * row_scale - offset) for t in ts]
-        l_new = l_i * alpha + (ps[0] + ps[1]).sum(axis=1)
+      with jax.named_scope("softmax"):  # the two pages as one [64, 128] step
+        m_new, alpha, p, l_new = common.online_softmax_step(
+            jnp.concatenate([s * k for s, k in zip(pages, k_scales)], axis=1), m_i, l_i,
+            q_scale)
       factor, sigma = alpha, sigma_i
-      for h, (p, k_scale) in enumerate(zip(ps, k_scales)):
+      for h, k_scale in enumerate(k_scales):
         with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
           sigma_prev = sigma
-          sigma, inv_sigma, p_q = quantize_p_tile(p * k_scale, sigma_prev)
+          sigma, inv_sigma, p_q = quantize_p_tile(
+              p[:, h * PAGE_SIZE:(h + 1) * PAGE_SIZE] * k_scale, sigma_prev)
         with jax.named_scope("store_p"):
           hand_off_p(2 * j + h, p_q, factor * sigma_prev * inv_sigma)
         factor = 1.0
