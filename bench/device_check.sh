@@ -6,8 +6,6 @@
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
 #   bash bench/device_check.sh next     (the measurements the last session left open, ~8.5 min)
-#   bash bench/device_check.sh mirrored (~8 min: schedule="mirrored" timed against softmax_wg, then
-#                                       its GPU tests)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -57,11 +55,6 @@ case $what in
       -k "fp8-swap_ab and (not_causal or test_gpu_splits or non_finite)"
     timeout 150 bash "$0" bench --only bf16,fp8-softmax-wg,fp8-swap-ab \
       --shapes 32,32,1,16384 32,16,2,16384 64,16,2,16384 ;;
-  mirrored)  # (~8 min) schedule="mirrored" (two warpgroups both taking every page, P_q in
-             # registers) against softmax_wg and BF16, then its GPU tests
-    timeout 200 bash "$0" bench --only bf16,fp8-softmax-wg,fp8-mirrored \
-      --shapes 32,128,1,16384 32,128,2,16384 128,16,1,16384 32,64,1,16384
-    timeout 280 bash "$0" tests tests/test_pallas_fp8.py -k "mirrored and gpu" ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows are next's), then end to end
     timeout 380 bash "$0" bench \

@@ -100,7 +100,6 @@ def impls(fp8_config=None):
       "fp8-two-softmax-wgs": ("fp8", fp8("fp8", "two_softmax_wgs")),
       "fp8-swap-ab": ("fp8", fp8("fp8", "swap_ab")),
       "fp8-swap-ab-vt-smem": ("fp8", fp8("fp8", "swap_ab", vt_registers=False)),
-      "fp8-mirrored": ("fp8", fp8("fp8", "mirrored")),
       "xla-bf16": ("bf16", lambda q, r, c, bt, sl: mla_decode(
           q, r, c, bt, sl, softmax_scale=SCALE, impl="xla")),
   }

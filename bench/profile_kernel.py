@@ -64,6 +64,10 @@ def main():
   parser.add_argument("--fp8-stages", type=int, default=None,
                       help="ring depth (TuningConfig.num_stages; the kernel's default if unset)")
   parser.add_argument("--out", required=True)
+  parser.add_argument("--impls", default="fp8-fp8,fp8-in-order",
+                      help="comma-separated bench/kernel.py rows of the FP8 kernel")
+  parser.add_argument("--impls", default="fp8-fp8,fp8-in-order",
+                      help="comma-separated bench/kernel.py rows of the FP8 kernel")
   parser.add_argument("--variants", default="",
                       help="comma-separated bench/ablate.py variants of the FP8 kernel")
   args = parser.parse_args()
@@ -73,7 +77,7 @@ def main():
   from snapmla_jax.pallas.mla_decode_fp8 import split_count
   # The trace buffer lives in SMEM, which only the fp8 route's kernels leave room for.
   config = common.TuningConfig(num_stages=args.fp8_stages)
-  kernels = {k: v for k, v in impls(config).items() if k in ("fp8-fp8", "fp8-in-order")}
+  kernels = {k: v for k, v in impls(config).items() if k in args.impls.split(",")}
   if args.variants:
     kernels = {name: ("fp8", ablated(name, config)) for name in args.variants.split(",")}
   row_tiles = common.num_row_tiles(1, args.heads)
@@ -87,7 +91,7 @@ def main():
     jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
     del os.environ["SNAPMLA_PROFILE_DIR"]
     trace = sorted(glob.glob(os.path.join(trace_dir, "*-trace.json")))[-1]
-    regions, span = summarize(trace)
+    regions, span = summarize(trace, num_wgs=2 if name == "fp8-mirrored" else 3)
     print(f"\n{name}: b{args.batch} h{args.heads} {args.context} tokens, {steps:.0f} "
           f"page-steps per CTA, longest CTA {span:.1f} us ({span / steps:.3f} us per step)")
     for (wg, region), us in sorted(regions.items()):

@@ -3,8 +3,8 @@
 One CTA owns a tile of 64 query rows of one sequence and one split of its pages (the grid
 and splits of ``common``). This module's schedule (``schedule="softmax_wg"``, the default
 above 16 query rows a sequence; the others: ``"two_softmax_wgs"``, below, ``"seesaw"``,
-``mla_decode_fp8_seesaw``, ``"swap_ab"``, ``mla_decode_fp8_swap_ab``, the default at up
-to 16 rows, and ``"mirrored"``, ``mla_decode_fp8_mirrored``) has three warpgroups:
+``mla_decode_fp8_seesaw``, and ``"swap_ab"``, ``mla_decode_fp8_swap_ab``, the default at
+up to 16 rows) has three warpgroups:
 
 * softmax (wg 0): ``S = Q_c K_c^T`` (E4M3 wgmma, ``Q_c`` held in registers as its A
   operand) ``+ Q_r' K_r'^T`` (BF16 wgmma) in one f32 accumulator, restored by
@@ -17,7 +17,11 @@ to 16 rows, and ``"mirrored"``, ``mla_decode_fp8_mirrored``) has three warpgroup
   step per pair) and handing ``P`` to the P V warpgroups to quantize were both slower
   (RESULTS.md, eleventh session), and so was quantizing and handing off page i - 1's
   ``P'`` under page i's QK (twelfth session). ``PAGES_PER_STEP = 2`` is the pairs' form
-  that fits the registers (Q from SMEM), landed untimed (fifteenth session).
+  that fits the registers (Q from SMEM), landed untimed (fifteenth session). Without a
+  hand-off at all (two warpgroups that both compute every page's QK and softmax, each
+  keeping ``P_q`` in registers as its P V's A operand) the kernel was correct and 0.57x
+  the BF16 kernel (H100, sixteenth session: every CUDA-core instruction twice on each
+  scheduler, both QKs' operands from SMEM, 255 registers with spills).
 * P·V (wg 1 and wg 2, one half of the 512 output dims each): prepare the half of the page's
   V that ``P V`` reads (see ``pv=``), release the page, wait for ``P_q``, then
   ``acc <- acc * factor + P_q V``. On a GPU (``TuningConfig.overlap_pv``, on by default
@@ -102,8 +106,8 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM, TuningConfig)
 
 PvImpl = Literal["f16", "fp8"]
-Schedule = Literal["softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab", "mirrored"]
-SCHEDULES = ("softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab", "mirrored")
+Schedule = Literal["softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab"]
+SCHEDULES = ("softmax_wg", "two_softmax_wgs", "seesaw", "swap_ab")
 _FP8 = jnp.float8_e4m3fn
 _U16 = jnp.uint16
 _HALF_PAGE = PAGE_SIZE // 2
@@ -942,10 +946,6 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   if schedule == "seesaw":
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
-  elif schedule == "mirrored":
-    from snapmla_jax.pallas import mla_decode_fp8_mirrored
-    kernel, scratch, num_warpgroups = mla_decode_fp8_mirrored.launch(
-        stages=config.num_stages, **params)
   elif swap_ab:  # O^T: [splits, batch, 512, rows]; the softmax reduces across warps
     vt_registers = config.vt_registers
     if vt_registers is None:  # on wherever it applies
@@ -1029,10 +1029,9 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
       softmax warpgroups taking alternate pages, next to the two P V warpgroups; 0.80x
       the default on the H200, its softmax warpgroups spill at 88 registers),
       ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns with the pages;
-      a 2-stage ring; slower so far), ``"swap_ab"`` (``mla_decode_fp8_swap_ab``: tokens
-      as the wgmma's M, query rows as its N, for narrow query tiles) or ``"mirrored"``
-      (``mla_decode_fp8_mirrored``: two warpgroups that both compute every page's QK and
-      softmax, ``P_q`` in registers; not timed yet); ``None``: ``default_schedule``.
+      a 2-stage ring; slower so far) or ``"swap_ab"`` (``mla_decode_fp8_swap_ab``: tokens
+      as the wgmma's M, query rows as its N, for narrow query tiles); ``None``:
+      ``default_schedule``.
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
   Returns:
@@ -1059,20 +1058,15 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
   if schedule == "seesaw" and config.num_stages not in (None, 2):
     raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
-  others = ("seesaw", "swap_ab", "mirrored")  # the schedules with pipelines of their own
-  if schedule in others and config.multicast:
+  if schedule in ("seesaw", "swap_ab") and config.multicast:
     raise ValueError(f"schedule={schedule!r} does not multicast pages, "
                      "got config.multicast=True")
-  if config.promote_pv and (pv != "fp8" or schedule in others):
-    raise ValueError("config.promote_pv needs pv='fp8' and a schedule other than 'seesaw', "
-                     f"'swap_ab' and 'mirrored', got {pv=!r}, {schedule=!r}")
-  if config.overlap_pv and (pv != "fp8" or schedule in others or interpret):
-    raise ValueError("config.overlap_pv needs pv='fp8', a schedule other than 'seesaw', "
-                     f"'swap_ab' and 'mirrored' and a GPU, got {pv=!r}, {schedule=!r}, "
-                     f"{interpret=}")
-  if schedule == "mirrored" and pv == "fp8" and interpret:
-    raise ValueError("schedule='mirrored' with pv='fp8' needs a GPU (P_q is a register "
-                     "wgmma operand, which interpret mode does not run); use pv='f16'")
+  if config.promote_pv and (pv != "fp8" or schedule in ("seesaw", "swap_ab")):
+    raise ValueError("config.promote_pv needs pv='fp8' and a schedule other than 'seesaw' "
+                     f"and 'swap_ab', got {pv=!r}, {schedule=!r}")
+  if config.overlap_pv and (pv != "fp8" or schedule in ("seesaw", "swap_ab") or interpret):
+    raise ValueError("config.overlap_pv needs pv='fp8', a schedule other than 'seesaw' and "
+                     f"'swap_ab' and a GPU, got {pv=!r}, {schedule=!r}, {interpret=}")
   if config.vt_registers and (pv != "fp8" or schedule != "swap_ab" or interpret):
     raise ValueError("config.vt_registers needs pv='fp8', schedule='swap_ab' and a GPU, "
                      f"got {pv=!r}, {schedule=!r}, {interpret=}")
