@@ -125,9 +125,6 @@ ABLATIONS = {  # name: [(old source, new source), ...]
 }
 
 # Both P V warpgroups idle but for their barriers: what is left is the softmax warpgroup's chain.
-# A candidate, not an ablation: two full pages an online-softmax step (Q from SMEM, 4 P
-# buffers, V^T in order on 3 stages: compare with the base of --in-order-pv too).
-ABLATIONS["pairs"] = [("PAGES_PER_STEP = 1\n", "PAGES_PER_STEP = 2\n")]
 ABLATIONS["pv_wgs_idle"] = ABLATIONS["no_vt_build"] + ABLATIONS["no_pv"]
 # The softmax warpgroup's chain taken apart (P V warpgroups idle in each): its page loads
 # from L2 only, without the RoPE QK, without P's store, and with no softmax at all

@@ -5,7 +5,6 @@
 #   bash bench/device_check.sh fidelity [args]  (trains the byte model into .cache/ once: a warm
 #                                               machine keeps it for the next call)
 #   bash bench/device_check.sh all      (tests of both kernels run ~9 min: mind the 10-min call)
-#   bash bench/device_check.sh next     (the measurements the last session left open, ~8.5 min)
 #   bash bench/device_check.sh short    (~5 min: key bench rows, the skeleton, e2e at 64k)
 #   bash bench/device_check.sh verify   (one call, ~9 min: the GPU tests of everything but the
 #                                       two kernels' shape grids, data_path, bench --quick)
@@ -44,19 +43,8 @@ case $what in
     if [[ $what == all ]]; then
       python3 bench/kernel.py --md "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" | tail -45
     fi ;;
-  next)  # (~8.5 min) at b32 h128: two full pages a softmax step (Q from SMEM, V^T in order,
-         # 3 stages: ablate's pairs candidate) against the in-order and the default kernels;
-         # then swap_ab's GPU tests that no call has reached at its current code (two pages a
-         # softmax step, 4 stages): splits, not causal, a non-finite token; then swap_ab
-         # against softmax_wg at 32 query rows
-    timeout 110 bash "$0" ablate --shapes 32,128,1,16384 --in-order-pv --only pairs
-    timeout 50 bash "$0" ablate --shapes 32,128,1,16384 --only base
-    timeout 200 bash "$0" tests tests/test_pallas_fp8.py \
-      -k "fp8-swap_ab and (not_causal or test_gpu_splits or non_finite)"
-    timeout 150 bash "$0" bench --only bf16,fp8-softmax-wg,fp8-swap-ab \
-      --shapes 32,32,1,16384 32,16,2,16384 64,16,2,16384 ;;
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
-            # knobs' rows are next's), then end to end
+            # knobs' rows with bench --only), then end to end
     timeout 380 bash "$0" bench \
       --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-softmax-wg,fp8-swap-ab,fp8-swap-ab-vt-smem
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;

@@ -120,19 +120,6 @@ def test_interpret_swap_ab_two_pages_a_step(seq_lens, s_q, splits, monkeypatch):
   jax.clear_caches()
 
 
-@pytest.mark.timeout(300)
-def test_interpret_softmax_wg_two_pages_a_step(monkeypatch):
-  """softmax_wg with ``PAGES_PER_STEP = 2`` (a candidate, off by default; the f16 route:
-  the fp8 one's ``prmt`` does not interpret): pairs of full pages, a full page alone and
-  a partial one per split, causal s_q = 2, splits of 3 and 4 pages."""
-  from snapmla_jax.pallas import mla_decode_fp8 as module
-  monkeypatch.setattr(module, "PAGES_PER_STEP", 2)
-  jax.clear_caches()
-  case = make_case(3, [5 * 64 + 10, 7 * 64], s_q=2, heads=32, kinds=("fp8",))
-  run_and_check(case, s_q=2, config=TuningConfig(num_splits=2), interpret=True)
-  jax.clear_caches()
-
-
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""
@@ -254,15 +241,6 @@ def test_swap_ab_lowers_for_cuda(batch, s_q, heads, pv):  # query tiles of 16, 3
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.timeout(300)
-def test_softmax_wg_two_pages_a_step_lowers_for_cuda(monkeypatch):  # the pairs candidate
-  from snapmla_jax.pallas import mla_decode_fp8 as module
-  monkeypatch.setattr(module, "PAGES_PER_STEP", 2)
-  jax.clear_caches()
-  assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8")
-  jax.clear_caches()
-
-
 def test_swap_ab_vt_smem_lowers_for_cuda():  # V^T from registers is the default there
   config = TuningConfig(vt_registers=False)
   assert "mosaic_gpu" in lower(128, 1, 16, 16384, "fp8", "swap_ab", config=config)

@@ -16,8 +16,8 @@ up to 16 rows) has three warpgroups:
   chain all the same, RESULTS.md). Taking full pages two at a time (one online-softmax
   step per pair) and handing ``P`` to the P V warpgroups to quantize were both slower
   (RESULTS.md, eleventh session), and so was quantizing and handing off page i - 1's
-  ``P'`` under page i's QK (twelfth session). ``PAGES_PER_STEP = 2`` is the pairs' form
-  that fits the registers (Q from SMEM), landed untimed (fifteenth session). Without a
+  ``P'`` under page i's QK (twelfth session). Pairs of pages with Q read from SMEM (which
+  leaves the registers for both pages' S) tied this schedule (sixteenth session). Without a
   hand-off at all (two warpgroups that both compute every page's QK and softmax, each
   keeping ``P_q`` in registers as its P V's A operand) the kernel was correct and 0.57x
   the BF16 kernel (H100, sixteenth session: every CUDA-core instruction twice on each
@@ -113,14 +113,7 @@ _U16 = jnp.uint16
 _HALF_PAGE = PAGE_SIZE // 2
 
 NUM_PV_WGS = 2             # the last two warpgroups: h owns output dims [256 h, 256 h + 256)
-P_BUFFERS = 2              # the softmax runs up to two steps ahead of P V (per softmax wg)
-# Full pages an online-softmax step of the softmax warpgroup (schedule="softmax_wg"). 2 is
-# a candidate, not timed yet (bench/ablate.py's pairs): one row max for two pages, their
-# QKs issued together after the previous step's hand-off, 2 * P_BUFFERS P buffers. Two
-# pages' S and Q do not fit in registers together (offline: 132 B of spills and every
-# wgmma serialized), so Q stays in SMEM, which leaves SMEM for 3 stages with V^T in order
-# (36 B of spills offline, as the default).
-PAGES_PER_STEP = 1
+P_BUFFERS = 2              # the softmax runs up to two pages ahead of P V (per softmax wg)
 # ``softmax_wgs=2``: four warpgroups cap every thread at 128 registers at launch; the
 # softmax warpgroups give some up (S, P' and the row state; Q stays in SMEM) so that each
 # P V warpgroup keeps the 168 of three warpgroups for its 64 x 256 f32 accumulator.
@@ -448,7 +441,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
       ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
-  p_buffers = P_BUFFERS * softmax_wgs * PAGES_PER_STEP
+  p_buffers = P_BUFFERS * softmax_wgs
   # Page ``step``'s TMAs arrive on barrier set ``step % barrier_sets``: with two softmax
   # warpgroups a set serves one warpgroup's pages only (a thread tracks each barrier's
   # phase by waiting every phase of it).
@@ -544,10 +537,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   def softmax_warpgroup():
     q_content, q_scale = load_query(copy=True)
 
-    def first_scores(s_ref, start=0):
-      @pl.when(num_steps > start)
+    def first_scores(s_ref):
+      @pl.when(num_steps > 0)
       def _():
-        issue_qk(start, s_ref, q_content)
+        issue_qk(0, s_ref, q_content)
       return s_ref[...]
 
     def softmax_page(step, s, k_scale, m_i, l_i, *, masked: bool):
@@ -599,47 +592,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       # instructions a page against 637).
       return step_fn(2 * j + 1, step_fn(2 * j, carry, masked=False), masked=False)
 
-    def pair_step(j, state):
-      """``PAGES_PER_STEP = 2``: full pages ``2 j`` and ``2 j + 1`` in one online-softmax
-      step: both QKs, then one row max for both pages (they share ``m``), and each page's
-      ``P'`` quantized with its own scale (eq. 12-13: the second page's factor is
-      ``sigma_first / sigma_second``)."""
-      m_i, l_i, sigma_i = state
-
-      def scores(*s_refs):
-        for h, s_ref in enumerate(s_refs):
-          issue_qk(2 * j + h, s_ref, q_content)
-        with jax.named_scope("wait_qk"):
-          return tuple(s_ref[...] for s_ref in s_refs)
-
-      pages = pl.run_scoped(scores, *[plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)] * 2)
-      k_scales = [page_scale(2 * j + h) for h in range(2)]
-      with jax.named_scope("softmax"):  # the two pages as one [64, 128] step
-        m_new, alpha, p, l_new = common.online_softmax_step(
-            jnp.concatenate([s * k for s, k in zip(pages, k_scales)], axis=1), m_i, l_i,
-            q_scale)
-      factor, sigma = alpha, sigma_i
-      for h, k_scale in enumerate(k_scales):
-        with jax.named_scope("quantize_p"):  # P' = P * scale_k, one scale per (row, page)
-          sigma_prev = sigma
-          sigma, inv_sigma, p_q = quantize_p_tile(
-              p[:, h * PAGE_SIZE:(h + 1) * PAGE_SIZE] * k_scale, sigma_prev)
-        with jax.named_scope("store_p"):
-          hand_off_p(2 * j + h, p_q, factor * sigma_prev * inv_sigma)
-        factor = 1.0
-      return m_new, l_new, sigma
-
     num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    state = (common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
+    carry = (pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)),
+             common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
              common.zero_rows(QUERY_TILE, 1.0))
-    start = 0  # the first page that no pair step takes
-    if PAGES_PER_STEP == 2:
-      state = lax.fori_loop(0, num_full // 2, pair_step, state)
-      start = num_full // 2 * 2
-    carry = (pl.run_scoped(functools.partial(first_scores, start=start),
-                           plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)), *state)
-    if PAGES_PER_STEP == 1:  # two pages an iteration, one online-softmax step each
-      carry = lax.fori_loop(0, num_full // 2, two_pages, carry)
+    carry = lax.fori_loop(0, num_full // 2, two_pages, carry)
     carry = lax.fori_loop(num_full // 2 * 2, num_full, functools.partial(step_fn, masked=False),
                           carry)
     _, *final_state = lax.fori_loop(num_full, num_steps,
@@ -828,14 +785,13 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   that share every page: a slot is refilled (by both, each copying half of the page into
   both rings) once the consumers of both CTAs have released it.
   """
-  q_in_registers = in_place and softmax_wgs == 1 and PAGES_PER_STEP == 1
+  q_in_registers = in_place and softmax_wgs == 1
   v_in_q = q_in_registers and pv_impl == "fp8"
   max_overlap_stages = default_stages("fp8", v_in_q=v_in_q, overlap_pv=True,
                                       softmax_wgs=softmax_wgs)
   deeper_ring = (stages or 0) > max_overlap_stages
   if overlap_pv is None:  # on wherever it applies, unless a deeper ring was asked for
-    overlap_pv = (in_place and pv_impl == "fp8" and not promote_pv and not deeper_ring
-                  and PAGES_PER_STEP == 1)
+    overlap_pv = in_place and pv_impl == "fp8" and not promote_pv and not deeper_ring
   elif overlap_pv and deeper_ring:
     raise ValueError(f"config.overlap_pv=True leaves SMEM for at most {max_overlap_stages} "
                      f"stages, got config.num_stages={stages}")
@@ -846,7 +802,7 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
       num_stages=stages, pv_impl=pv_impl, in_place=in_place, q_in_registers=q_in_registers,
       overlap_pv=overlap_pv, promote_pv=promote_pv, softmax_wgs=softmax_wgs,
       pair_axis=pair_axis)
-  p_buffers = P_BUFFERS * softmax_wgs * PAGES_PER_STEP
+  p_buffers = P_BUFFERS * softmax_wgs
   ring, v_buf, p_buf = operand_smem(pv_impl, stages=stages, p_buffers=p_buffers,
                                     v_pages=2 if overlap_pv else None)
   q_content, *q_rest = query_smem()
