@@ -66,8 +66,6 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--impls", default="fp8-fp8,fp8-in-order",
                       help="comma-separated bench/kernel.py rows of the FP8 kernel")
-  parser.add_argument("--impls", default="fp8-fp8,fp8-in-order",
-                      help="comma-separated bench/kernel.py rows of the FP8 kernel")
   parser.add_argument("--variants", default="",
                       help="comma-separated bench/ablate.py variants of the FP8 kernel")
   args = parser.parse_args()
@@ -91,7 +89,7 @@ def main():
     jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
     del os.environ["SNAPMLA_PROFILE_DIR"]
     trace = sorted(glob.glob(os.path.join(trace_dir, "*-trace.json")))[-1]
-    regions, span = summarize(trace, num_wgs=2 if name == "fp8-mirrored" else 3)
+    regions, span = summarize(trace)
     print(f"\n{name}: b{args.batch} h{args.heads} {args.context} tokens, {steps:.0f} "
           f"page-steps per CTA, longest CTA {span:.1f} us ({span / steps:.3f} us per step)")
     for (wg, region), us in sorted(regions.items()):

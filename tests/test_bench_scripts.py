@@ -58,6 +58,16 @@ def test_device_check_script_parses():
   subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def test_device_scripts_parse_their_arguments():
+  """Each script device_check runs builds its argument parser (``--help``): a duplicated
+  or malformed option would cost a device call to find."""
+  bench = pathlib.Path(__file__).parent.parent / "bench"
+  for script in ("kernel.py", "ablate.py", "profile_kernel.py", "e2e.py", "data_path.py",
+                 "pv_precision.py", "sass.py", "fidelity.py"):
+    subprocess.run(["python3", str(bench / script), "--help"], check=True,
+                   capture_output=True, cwd=bench.parent)
+
+
 def test_profile_variants_lower_for_cuda(monkeypatch):
   """``profile_kernel.py --variants`` calls ablate's variants as bench rows: they trace and
   lower (a broken one would cost a device call to find)."""
