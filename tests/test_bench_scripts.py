@@ -1,7 +1,9 @@
 """Benchmark scripts run end to end on CPU at small shapes (their figures come from the H200)."""
 
+import os
 import pathlib
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +63,13 @@ def test_device_check_script_parses():
 def test_device_scripts_parse_their_arguments():
   """Each script device_check runs builds its argument parser (``--help``): a duplicated
   or malformed option would cost a device call to find."""
-  bench = pathlib.Path(__file__).parent.parent / "bench"
+  root = pathlib.Path(__file__).parent.parent
+  env = {**os.environ, "PYTHONPATH": str(root)}
   for script in ("kernel.py", "ablate.py", "profile_kernel.py", "e2e.py", "data_path.py",
                  "pv_precision.py", "sass.py", "fidelity.py"):
-    subprocess.run(["python3", str(bench / script), "--help"], check=True,
-                   capture_output=True, cwd=bench.parent)
+    run = subprocess.run([sys.executable, str(root / "bench" / script), "--help"],
+                         capture_output=True, text=True, cwd=root, env=env)
+    assert run.returncode == 0, f"{script}: {run.stderr[-2000:]}"
 
 
 def test_profile_variants_lower_for_cuda(monkeypatch):
