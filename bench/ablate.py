@@ -62,8 +62,8 @@ ABLATIONS = {  # name: [(old source, new source), ...]
     # Warpgroup 1 refills page i's slot one page later (while preparing page i + 1), so that
     # it does not stall on the other consumers' (and, multicast, the other CTA's) release.
     "refill_late": [
-        ("      common.release_slot(kv_free, step, slot, num_stages, num_steps, refill)\n",
-         "      common.release_slot(kv_free, step, slot, num_stages, num_steps)\n"
+        ("      release_slot(kv_free, step, slot, num_stages, num_steps, refill)\n",
+         "      release_slot(kv_free, step, slot, num_stages, num_steps)\n"
          "      if refill:\n"
          "        @pl.when((step >= 1) & (step - 1 + num_stages < num_steps))\n"
          "        def _():\n"
@@ -188,10 +188,10 @@ ABLATIONS["one_page_loop"] = [(
 BF16_ABLATIONS = {
     "base": [],
     "no_pv": [("    return common.accumulate_pv(\n", "    return acc\n    return common.accumulate_pv(\n")],
-    "no_qk": [("      plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)\n", "      pass\n")],
+    "no_qk": [("        plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)\n", "        pass\n")],
     "no_softmax": [  # P = S, alpha = l (the FMULs of the rescale stay)
-        ("return common.online_softmax_step(s, m_i, l_i, scale_log2, visible)",
-         "return m_i, l_i, s, l_i")],
+        ("m_new, alpha, p, l_i = common.online_softmax_step(s, m_i, l_i, scale_log2, visible)",
+         "m_new, alpha, p = m_i, l_i, s")],
     "same_page": [("page = bt_ref[b, first_page + step]", "page = bt_ref[b, first_page]")],
 }
 # The feed alone: TMAs, barriers and P's store (S stays zero).

@@ -46,12 +46,12 @@ case $what in
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows with bench --only), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-softmax-wg,fp8-swap-ab,fp8-swap-ab-vt-smem,bf16-softmax-wg,bf16-softmax-wg-multicast
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-softmax-wg,fp8-swap-ab,fp8-swap-ab-vt-smem
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-swap-ab,fp8-swap-ab-vt-smem,bf16-softmax-wg-multicast \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-swap-ab,fp8-swap-ab-vt-smem \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;

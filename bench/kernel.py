@@ -90,11 +90,6 @@ def impls(fp8_config=None):
           q, r, c.latent, bt, sl, softmax_scale=SCALE, config=TuningConfig(multicast=True))),
       "bf16-token-halves": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
           q, r, c.latent, bt, sl, softmax_scale=SCALE, schedule="token_halves")),
-      "bf16-softmax-wg": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
-          q, r, c.latent, bt, sl, softmax_scale=SCALE, schedule="softmax_wg")),
-      "bf16-softmax-wg-multicast": ("bf16", lambda q, r, c, bt, sl: mla_decode_bf16(
-          q, r, c.latent, bt, sl, softmax_scale=SCALE, schedule="softmax_wg",
-          config=TuningConfig(multicast=True))),
       "fp8-f16": ("fp8", fp8("f16", "softmax_wg")),
       "fp8-fp8": ("fp8", fp8("fp8")),
       "fp8-softmax-wg": ("fp8", fp8("fp8", "softmax_wg")),

@@ -153,37 +153,6 @@ def release_barriers(num_arrivals: int, num_stages: int, pair_axis: str | None):
                               num_barriers=num_stages)
 
 
-def fill_ring(issue_copies, num_stages: int, num_steps) -> None:
-  """The refilling warpgroup's first copies: page ``s`` into slot ``s`` for the first
-  ``num_stages`` pages (``issue_copies(step, slot)``)."""
-  for step in range(num_stages):
-    @pl.when(step < num_steps)
-    def _():
-      issue_copies(step, step)
-
-
-def release_slot(kv_free, step, slot, num_stages: int, num_steps, refill=None) -> None:
-  """Releases page ``step``'s ring slot. ``refill`` (``issue_copies``, for the warpgroup that
-  refills the ring): then waits for the slot's other consumers and copies page
-  ``step + num_stages`` into it."""
-  plgpu.barrier_arrive(kv_free.at[slot])
-  if refill is not None:
-    @pl.when(step + num_stages < num_steps)
-    @jax.named_scope("refill")
-    def _():
-      plgpu.barrier_wait(kv_free.at[slot])
-      refill(step + num_stages, slot)
-
-
-def observe_ring_releases(kv_free, num_stages: int, num_steps) -> None:
-  """The refilling warpgroup's wait for the releases of the last ``num_stages`` pages,
-  which it did not refill (every phase of a barrier a thread waits on is waited)."""
-  for back in range(num_stages, 0, -1):
-    @pl.when(num_steps - back >= 0)
-    def _():
-      plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
-
-
 def cta_work(ranges_ref, lens_ref, pair_axis: str | None = None, tile_rows: int = QUERY_TILE):
   """In a kernel: what this CTA works on, from its grid position.
 

@@ -9,14 +9,6 @@ one split of its pages; three warpgroups (see ``common``):
   ``P`` (bf16) and the row rescale ``alpha`` into SMEM, then ``O[:, :256] += P V``;
 * compute 1 (wg 1): waits for ``P`` and ``alpha``, ``O[:, 256:] += P V``.
 
-With ``schedule="softmax_wg"`` (``mla_decode_fp8``'s division of the work) warpgroup 0
-only computes S, the softmax and P, with no accumulator; warpgroups 1 and 2 each own one
-half of the output and run ``P V`` alone, so warpgroup 0's chain per page loses its half
-of P V (0.40 us of its 1.98 on the H200, RESULTS.md). There is no memory warpgroup (a
-fourth would cap every thread at 128 registers): warpgroup 1 refills the ring once the
-page's QK and both P V are done. P has one buffer: warpgroup 0 writes page i + 1's P
-once both P V warpgroups are done with page i's.
-
 With ``schedule="token_halves"`` (FlashMLA's division of the page) both compute warpgroups
 take every page: warpgroup h computes ``S`` for the page's tokens ``[32 h, 32 h + 32)``
 (N = 32), the two exchange their row maxima through SMEM, each writes its half of ``P``,
@@ -54,8 +46,8 @@ NUM_COMPUTE_WGS = 2
 MEMORY_WG = NUM_COMPUTE_WGS
 DEFAULT_STAGES = 2   # two 72 KB pages next to the 72 KB query fill the SMEM
 HALF_PAGE = PAGE_SIZE // 2
-Schedule = Literal["softmax_wg0", "softmax_wg", "token_halves"]
-SCHEDULES = ("softmax_wg0", "softmax_wg", "token_halves")
+Schedule = Literal["softmax_wg0", "token_halves"]
+SCHEDULES = ("softmax_wg0", "token_halves")
 
 
 def _fetch_pages(num_steps, num_stages: int, kv_free, issue_copies) -> None:
@@ -95,14 +87,13 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
 
-  def issue_copies(step, slot):
-    page = bt_ref[b, first_page + step]
-    plgpu.copy_gmem_to_smem(latent_ref.at[page], kv_smem.at[slot], kv_ready.at[slot],
-                            collective_axes=pair_axis)
-
-  if schedule != "softmax_wg":  # there the first P V warpgroup issues the copies
-    pl.when(wg == MEMORY_WG)(lambda: _fetch_pages(num_steps, num_stages, kv_free,
-                                                  issue_copies))
+  @pl.when(wg == MEMORY_WG)
+  def _memory():
+    def issue_copies(step, slot):
+      page = bt_ref[b, first_page + step]
+      plgpu.copy_gmem_to_smem(latent_ref.at[page], kv_smem.at[slot], kv_ready.at[slot],
+                              collective_axes=pair_axis)
+    _fetch_pages(num_steps, num_stages, kv_free, issue_copies)
 
   def zero_tail(slot, first_token, dims=range(0, CONTENT_DIM, 64)):
     """Zeroes the content (its 64-column blocks ``dims``) of tokens ``>= seq_len`` of a
@@ -150,76 +141,6 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
     if copy:
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
-
-  def page_softmax(s, m_i, l_i, first_token, masked: bool):
-    """The online-softmax step of a page's scores ``s``; ``masked``: the page holds
-    tokens some row may not see (the last pages)."""
-    visible = None
-    if masked:
-      visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
-                                          heads=heads, causal=causal)
-    return common.online_softmax_step(s, m_i, l_i, scale_log2, visible)
-
-  def softmax_only_wg():
-    """``schedule="softmax_wg"``, warpgroup 0: S, the online softmax and P of every page;
-    it releases a page once its QK is done (and its tail zeroed), before P V."""
-    load_query(copy=True)
-
-    def step_fn(step, carry, *, masked: bool):
-      m_i, l_i = carry
-      slot, first_token = wait_page(step)
-      m_new, alpha, p, l_i = page_softmax(qk(slot), m_i, l_i, first_token, masked)
-      if masked:
-        zero_tail(slot, first_token)
-      plgpu.barrier_arrive(kv_free.at[slot])
-
-      @pl.when(step > 0)
-      @jax.named_scope("wait_p_free")
-      def _():
-        plgpu.barrier_wait(p_free)          # both P V warpgroups done with the last P
-      p_smem[...] = p.astype(jnp.bfloat16)
-      alpha_smem[...] = alpha
-      plgpu.commit_smem()                   # (also orders the zeroed tail before P V)
-      plgpu.barrier_arrive(p_ready)
-      return m_new, l_i
-
-    num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    carry = (common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE))
-    carry = lax.fori_loop(0, num_full, functools.partial(step_fn, masked=False), carry)
-    m_i, l_i = lax.fori_loop(num_full, num_steps, functools.partial(step_fn, masked=True),
-                             carry)
-
-    @pl.when(num_steps > 0)
-    def _():
-      plgpu.barrier_wait(p_free)
-    alpha_smem[...] = jnp.where(l_i > 0, 1.0 / jnp.where(l_i > 0, l_i, 1.0), 0.0)
-    store_lse(m_i, l_i)                     # (its commit_smem also orders alpha_smem)
-    plgpu.barrier_arrive(p_ready)           # the last "step": normalize with alpha
-    plgpu.wait_smem_to_gmem(0)
-
-  def pv_only_wg(half: int):
-    """``schedule="softmax_wg"``, warpgroup 1 + ``half``: ``O[:, 256 half:][:256] += P V``
-    for every page; warpgroup 1 also keeps the ring filled."""
-    refill = issue_copies if half == 0 else None
-    if refill:
-      common.fill_ring(refill, num_stages, num_steps)
-
-    def step_fn(step, acc):
-      slot = lax.rem(step, num_stages)
-      with jax.named_scope("wait_p"):
-        plgpu.barrier_wait(p_ready)
-      alpha = alpha_smem[...]
-      with jax.named_scope("pv"):
-        acc = pv(acc * common.row_broadcast(alpha, acc.shape), slot, half)
-      plgpu.barrier_arrive(p_free)
-      common.release_slot(kv_free, step, slot, num_stages, num_steps, refill)
-      return acc
-
-    acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((QUERY_TILE, HALF_DIM)))
-    plgpu.barrier_wait(p_ready)
-    finish(acc, half, alpha_smem[...])
-    if refill:
-      common.observe_ring_releases(kv_free, num_stages, num_steps)
 
   def token_half_wg(h: int):
     """``schedule="token_halves"``: S, the softmax and P of tokens ``[32 h, 32 h + 32)`` of
@@ -286,20 +207,6 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       pl.when(wg == h)(functools.partial(token_half_wg, h))
     return
 
-  def qk(slot):
-    """``S = Q K^T`` of the page in ``slot``, f32 ``[64, 64]`` (waited for)."""
-    def scores(s_ref):
-      plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)
-      return s_ref[...]
-    with jax.named_scope("qk"):
-      return pl.run_scoped(scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
-
-  if schedule == "softmax_wg":
-    pl.when(wg == 0)(softmax_only_wg)
-    for h in range(NUM_COMPUTE_WGS):
-      pl.when(wg == 1 + h)(functools.partial(pv_only_wg, h))
-    return
-
   @pl.when(wg == 0)
   def _softmax_wg():
     plgpu.set_max_registers(232, action="increase")
@@ -309,7 +216,17 @@ def _kernel(q_ref, latent_ref, bt_ref, ranges_ref, lens_ref,   # inputs (GMEM)
       """One page; ``masked``: it holds tokens some row may not see (the last pages)."""
       acc, m_i, l_i = carry
       slot, first_token = wait_page(step)
-      m_new, alpha, p, l_i = page_softmax(qk(slot), m_i, l_i, first_token, masked)
+
+      def qk(s_ref):
+        plgpu.wgmma(s_ref, q_smem, kv_smem.at[slot].T)
+        return s_ref[...]
+      with jax.named_scope("qk"):
+        s = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
+      visible = None
+      if masked:
+        visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
+                                            heads=heads, causal=causal)
+      m_new, alpha, p, l_i = common.online_softmax_step(s, m_i, l_i, scale_log2, visible)
 
       if masked:
         zero_tail(slot, first_token)
@@ -395,11 +312,9 @@ def _decode(q_nope, q_rope, latent, block_table, seq_lens, *, softmax_scale, cau
           plgpu.SMEM((QUERY_TILE,), jnp.float32),
           plgpu.Barrier(),
           plgpu.Barrier(num_barriers=stages),
-          # kv_free: the compute warpgroups (softmax_wg: the softmax and both P V ones)
-          common.release_barriers(NUM_COMPUTE_WGS + (schedule == "softmax_wg"), stages,
-                                  pair_axis),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS if halves else 1),        # p_ready
-          plgpu.Barrier(num_arrivals=1 if schedule == "softmax_wg0" else NUM_COMPUTE_WGS),
+          common.release_barriers(NUM_COMPUTE_WGS, stages, pair_axis),  # compute wgs
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS if halves else 1),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS if halves else 1),
       ],
       **grid,
       num_threads=NUM_COMPUTE_WGS + 1,
@@ -425,8 +340,7 @@ def mla_decode_bf16(q_nope: jax.Array, q_rope: jax.Array, latent: jax.Array,
     softmax_scale: multiplies the scores.
     causal: query ``i`` of ``s_q`` sees tokens ``[0, seq_len - s_q + i]``.
     config: pipeline knobs; ``None`` picks the defaults.
-    schedule: ``"softmax_wg0"`` (warpgroup 0 computes S and P of the whole page and half
-      of P V), ``"softmax_wg"`` (warpgroup 0 S and P only, two P V warpgroups) or
+    schedule: ``"softmax_wg0"`` (warpgroup 0 computes S and P of the whole page) or
       ``"token_halves"`` (each compute warpgroup half the page's tokens; slower so far).
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 

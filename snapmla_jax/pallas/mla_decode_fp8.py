@@ -143,6 +143,37 @@ def issue_page_copies(cache_refs, ring_smem, page, slot, kv_ready,
                             collective_axes=collective_axes)
 
 
+def fill_ring(issue_copies, num_stages: int, num_steps) -> None:
+  """The refilling warpgroup's first copies: page ``s`` into slot ``s`` for the first
+  ``num_stages`` pages (``issue_copies(step, slot)``)."""
+  for step in range(num_stages):
+    @pl.when(step < num_steps)
+    def _():
+      issue_copies(step, step)
+
+
+def release_slot(kv_free, step, slot, num_stages: int, num_steps, refill=None) -> None:
+  """Releases page ``step``'s ring slot. ``refill`` (``issue_copies``, for the warpgroup that
+  refills the ring): then waits for the slot's other consumers and copies page
+  ``step + num_stages`` into it."""
+  plgpu.barrier_arrive(kv_free.at[slot])
+  if refill is not None:
+    @pl.when(step + num_stages < num_steps)
+    @jax.named_scope("refill")
+    def _():
+      plgpu.barrier_wait(kv_free.at[slot])
+      refill(step + num_stages, slot)
+
+
+def observe_ring_releases(kv_free, num_stages: int, num_steps) -> None:
+  """The refilling warpgroup's wait for the releases of the last ``num_stages`` pages,
+  which it did not refill (every phase of a barrier a thread waits on is waited)."""
+  for back in range(num_stages, 0, -1):
+    @pl.when(num_steps - back >= 0)
+    def _():
+      plgpu.barrier_wait(kv_free.at[lax.rem(num_steps - back, num_stages)])
+
+
 def observe_p_releases(p_free, p_buffers: int, num_steps, owns=None) -> None:
   """The softmax warpgroup's wait for the P buffers' releases that no later page waited
   for (every phase of a barrier a thread waits on is waited): the last ``p_buffers - 1``
@@ -643,7 +674,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     prepare = dequantize_v if pv_impl == "f16" else transpose_v
     refill = issue_copies if half == 0 else None
     if refill:
-      common.fill_ring(refill, num_stages, num_steps)
+      fill_ring(refill, num_stages, num_steps)
 
     def prepare_page(step, *parity):
       """Waits for page ``step``, prepares its V half (into buffer ``parity``), releases
@@ -658,7 +689,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           def _():
             prepare(slot, half, first_token, masked, *parity)
         plgpu.commit_smem()
-      common.release_slot(kv_free, step, slot, num_stages, num_steps, refill)
+      release_slot(kv_free, step, slot, num_stages, num_steps, refill)
 
     def wait_p(step):
       """Waits for page ``step``'s ``P_q``; returns its P buffer and rescaling factor."""
@@ -710,7 +741,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         prepare_page(0, 0)
     acc = lax.fori_loop(0, num_steps, step_fn, acc)
     if refill:
-      common.observe_ring_releases(kv_free, num_stages, num_steps)
+      observe_ring_releases(kv_free, num_stages, num_steps)
     buf = lax.rem(num_steps, p_buffers)
     plgpu.barrier_wait(p_ready.at[buf])
     out = acc * common.row_broadcast(factor_smem.at[buf][...], acc.shape)

@@ -60,8 +60,9 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
                                        ROPE_DIM)
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U16,
                                                NUM_PV_WGS, PvImpl, as_u16_pair,
-                                               dequantize_v_half, finish_rows,
-                                               issue_page_copies, observe_p_releases, prmt)
+                                               dequantize_v_half, fill_ring, finish_rows,
+                                               issue_page_copies, observe_p_releases,
+                                               observe_ring_releases, prmt, release_slot)
 
 SMEM_BYTES = 226 * 1024   # of the 227 KB: the rest for the barriers
 # The ring holds a step's pages, the next step's and one more (H100, b128 h16 s_q1 16k,
@@ -371,11 +372,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
   def pv_warpgroup(half: int):
     refill = issue_copies if half == 0 else None  # warpgroup 1 refills the ring
     if refill:
-      common.fill_ring(refill, num_stages, num_steps)
+      fill_ring(refill, num_stages, num_steps)
 
     def release(step, slot):
       """Releases page ``step``'s slot (its V half is built) and (warpgroup 1) refills it."""
-      common.release_slot(kv_free, step, slot, num_stages, num_steps, refill)
+      release_slot(kv_free, step, slot, num_stages, num_steps, refill)
 
     def wait_factor(step):
       """Waits for page ``step``'s ``P_q``; its P buffer and column factor ``[n]``."""
@@ -457,7 +458,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           prepare_page(0, 0)
       acc = lax.fori_loop(0, num_steps, step_fn, common.zero_acc((HALF_DIM, n)))
     if refill:
-      common.observe_ring_releases(kv_free, num_stages, num_steps)
+      observe_ring_releases(kv_free, num_stages, num_steps)
     _, factor = wait_factor(num_steps)
     if v_pages == 0:
       for m, tile in enumerate(acc):
