@@ -615,7 +615,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     carry = lax.fori_loop(num_full // 2 * 2, num_full, functools.partial(step_fn, masked=False),
                           carry)
     _, _, *final_state = lax.fori_loop(num_full, num_steps,
-                                    functools.partial(step_fn, masked=True), carry)
+                                       functools.partial(step_fn, masked=True), carry)
     finish(final_state, q_scale)
     observe_p_releases(p_free, p_buffers, num_steps)
 
