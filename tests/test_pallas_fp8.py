@@ -31,7 +31,6 @@ import pytest
 
 from snapmla_jax import quant
 from snapmla_jax.pallas import common
-from snapmla_jax.pallas import mla_decode_fp8 as mla_decode_fp8_module
 from snapmla_jax.pallas.common import TuningConfig, num_row_tiles
 from snapmla_jax.pallas.mla_decode_fp8 import _decode, default_schedule, mla_decode_fp8
 from snapmla_jax.testing import (GPU_GRID, assert_poisoned_rows, lse_error, make_case,
@@ -121,17 +120,23 @@ def test_interpret_swap_ab_two_pages_a_step(seq_lens, s_q, splits, monkeypatch):
   jax.clear_caches()
 
 
+@pytest.fixture
+def early_release(monkeypatch):
+  """softmax_wg with ``EARLY_RELEASE`` (off by default), traced afresh."""
+  monkeypatch.setattr("snapmla_jax.pallas.mla_decode_fp8.EARLY_RELEASE", True)
+  jax.clear_caches()  # no trace of the default
+  yield
+  jax.clear_caches()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seq_lens,stages", [([100, 300], 2), ([64, 1], 3)])
-def test_interpret_early_release(seq_lens, stages, monkeypatch):
+def test_interpret_early_release(seq_lens, stages, early_release):
   """softmax_wg releasing page i + 1's slot under page i's softmax (``EARLY_RELEASE``):
   through a 2-slot ring, and sequences of one page (no next page to release)."""
-  monkeypatch.setattr(mla_decode_fp8_module, "EARLY_RELEASE", True)
-  jax.clear_caches()  # no trace of the default
   case = make_case(3, seq_lens, s_q=2, heads=16, kinds=("fp8",))
   run_and_check(case, s_q=2, config=TuningConfig(num_stages=stages), schedule="softmax_wg",
                 interpret=True)
-  jax.clear_caches()
 
 
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
@@ -186,11 +191,8 @@ def test_multicast_lowers_for_cuda(overlap_pv):  # a cluster of two row tiles pe
 
 
 @pytest.mark.timeout(300)
-def test_early_release_lowers_for_cuda(monkeypatch):
-  monkeypatch.setattr(mla_decode_fp8_module, "EARLY_RELEASE", True)
-  jax.clear_caches()
+def test_early_release_lowers_for_cuda(early_release):
   assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8")
-  jax.clear_caches()
 
 
 @pytest.mark.timeout(300)
@@ -356,10 +358,8 @@ def test_gpu_schedule_knobs(batch, s_q, heads, seq_lens, knob):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
-def test_gpu_early_release(batch, s_q, heads, seq_lens, monkeypatch):
+def test_gpu_early_release(batch, s_q, heads, seq_lens, early_release):
   """softmax_wg with ``EARLY_RELEASE`` (off by default) against the emulation."""
-  monkeypatch.setattr(mla_decode_fp8_module, "EARLY_RELEASE", True)
-  jax.clear_caches()
   case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
                    zero_tokens=3)
   for splits in (None, 3):
@@ -367,7 +367,6 @@ def test_gpu_early_release(batch, s_q, heads, seq_lens, monkeypatch):
                                  config=TuningConfig(num_splits=splits))
     print(f"fp8-fp8-early_release b={batch} s_q={s_q} h={heads} splits={splits}: "
           f"rel_l2={err:.2e} lse_err={lerr:.2e}")
-  jax.clear_caches()
 
 
 @pytest.mark.gpu
