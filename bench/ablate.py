@@ -87,9 +87,6 @@ ABLATIONS = {  # name: [(old source, new source), ...]
          "          issue_qk(step + 1, s_next_ref, q_content)\n"
          "        with jax.named_scope(\"store_p\"):\n          hand_off_p(step, p_q, factor)\n"),
     ],
-    # The next page's slot released under this page's softmax (after P's quantization)
-    # instead of at the next page's start
-    "early_release": [("EARLY_RELEASE = False\n", "EARLY_RELEASE = True\n")],
     "no_pv": [
         ("        acc = accumulate(acc * common.row_broadcast(factor, acc.shape), buf, v)\n",
          "        acc = acc * common.row_broadcast(factor, acc.shape)\n"),
@@ -148,7 +145,6 @@ ABLATIONS["idle_no_softmax"] = ABLATIONS["pv_wgs_idle"] + [
 ABLATIONS["qk_twice"] = [("    plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n",
                           "    plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)\n" * 2)]
 ABLATIONS["idle_qk_twice"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["qk_twice"]
-ABLATIONS["idle_early_release"] = ABLATIONS["pv_wgs_idle"] + ABLATIONS["early_release"]
 # ... or the next page's QK waited for at once, before this page's softmax (no overlap):
 # if the chain does not grow, QK and the softmax did not overlap to begin with.
 ABLATIONS["idle_qk_serial"] = ABLATIONS["pv_wgs_idle"] + [

@@ -10,7 +10,6 @@
 #                                       two kernels' shape grids, data_path, bench --quick)
 #   bash bench/device_check.sh tables   (one call, <= 9.5 min: the full kernel table with the
 #                                       default rows and e2e at 16k/64k, for RESULTS' summary)
-#   bash bench/device_check.sh early    (~8 min: EARLY_RELEASE timed against the default, tested)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,11 +55,6 @@ case $what in
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;
-  early)  # the softmax_wg schedule's EARLY_RELEASE (seventeenth session, untimed): its
-           # ablation (~3 min), then its GPU tests
-    timeout 240 bash "$0" ablate --shapes 32,128,1,16384 32,128,2,16384 64,128,1,16384 \
-      --only early_release,pv_wgs_idle,idle_early_release
-    timeout 300 bash "$0" tests tests/test_pallas_fp8.py -k early_release; status=$? ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?

@@ -120,25 +120,6 @@ def test_interpret_swap_ab_two_pages_a_step(seq_lens, s_q, splits, monkeypatch):
   jax.clear_caches()
 
 
-@pytest.fixture
-def early_release(monkeypatch):
-  """softmax_wg with ``EARLY_RELEASE`` (off by default), traced afresh."""
-  monkeypatch.setattr("snapmla_jax.pallas.mla_decode_fp8.EARLY_RELEASE", True)
-  jax.clear_caches()  # no trace of the default
-  yield
-  jax.clear_caches()
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("seq_lens,stages", [([100, 300], 2), ([64, 1], 3)])
-def test_interpret_early_release(seq_lens, stages, early_release):
-  """softmax_wg releasing page i + 1's slot under page i's softmax (``EARLY_RELEASE``):
-  through a 2-slot ring, and sequences of one page (no next page to release)."""
-  case = make_case(3, seq_lens, s_q=2, heads=16, kinds=("fp8",))
-  run_and_check(case, s_q=2, config=TuningConfig(num_stages=stages), schedule="softmax_wg",
-                interpret=True)
-
-
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""
@@ -188,11 +169,6 @@ def test_lowers_for_cuda(batch, s_q, heads, context, pv):
 def test_multicast_lowers_for_cuda(overlap_pv):  # a cluster of two row tiles per sequence
   config = TuningConfig(multicast=True, overlap_pv=overlap_pv)
   assert "mosaic_gpu" in lower(32, 2, 128, 16384, "fp8", config=config)
-
-
-@pytest.mark.timeout(300)
-def test_early_release_lowers_for_cuda(early_release):
-  assert "mosaic_gpu" in lower(32, 1, 128, 16384, "fp8")
 
 
 @pytest.mark.timeout(300)
@@ -353,19 +329,6 @@ def test_gpu_schedule_knobs(batch, s_q, heads, seq_lens, knob):
     config = TuningConfig(num_splits=splits, **knobs)
     err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8", config=config, schedule=schedule)
     print(f"fp8-fp8-{knob} b={batch} s_q={s_q} h={heads} splits={splits}: "
-          f"rel_l2={err:.2e} lse_err={lerr:.2e}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,s_q,heads,seq_lens", GPU_GRID)
-def test_gpu_early_release(batch, s_q, heads, seq_lens, early_release):
-  """softmax_wg with ``EARLY_RELEASE`` (off by default) against the emulation."""
-  case = make_case(batch + heads, seq_lens, s_q=s_q, heads=heads, kinds=("fp8",),
-                   zero_tokens=3)
-  for splits in (None, 3):
-    err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8", schedule="softmax_wg",
-                                 config=TuningConfig(num_splits=splits))
-    print(f"fp8-fp8-early_release b={batch} s_q={s_q} h={heads} splits={splits}: "
           f"rel_l2={err:.2e} lse_err={lerr:.2e}")
 
 

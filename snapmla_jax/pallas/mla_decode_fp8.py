@@ -122,12 +122,6 @@ PV_REGISTERS = 168
 PV_WGMMA_COLUMNS = 128     # ... and no instruction may need more than the launch's 128
 PV_CHUNK = 32              # output columns per FP8 P V product (accumulate_pv_fp8)
 FP8_PV_MAX_PAGES = 256     # most pages a split while P V accumulates in place (_decode)
-# softmax_wg: the softmax warpgroup waits for page i + 1's QK after page i's P quantization
-# and releases page i + 1's slot there, a page-step earlier than at page i + 1's start; the
-# slot is then refilled as soon as the P V warpgroups have built its V^T. Untimed; in its
-# SASS ptxas hoists that wait to right after the QK's issue (QK serialized before the
-# softmax, which cost the chain 0.01 us in the tenth session) and spills 84 B (36 B off).
-EARLY_RELEASE = False
 _CONTENT, _SCALE, _ROPE = range(3)       # the three TMAs (and barriers) of a page
 
 
@@ -510,15 +504,13 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     plgpu.wgmma(s_ref, q_content, kc_smem.at[slot].T)
     plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
 
-  def page_scale(step, exists=None):
+  def page_scale(step):
     """Page ``step``'s per-token scales broadcast over ``[64 rows, 64 tokens]``; then
-    releases its slot (its QK is done). ``exists``: whether there is such a page (a
-    traced bool; without one the scales are garbage and nothing is waited or released)."""
+    releases its slot (its QK is done: the caller holds S)."""
     slot = lax.rem(step, num_stages)
-    when = (lambda f: f()) if exists is None else pl.when(exists)
-    when(lambda: plgpu.barrier_wait(kv_bar(step, _SCALE)))
+    plgpu.barrier_wait(kv_bar(step, _SCALE))
     k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
-    when(lambda: plgpu.barrier_arrive(kv_free.at[slot]))
+    plgpu.barrier_arrive(kv_free.at[slot])
     return lax.broadcast_in_dim(k_scale, (QUERY_TILE, PAGE_SIZE), [1])
 
   def hand_off_p(step, p_q, factor):
@@ -549,8 +541,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       @pl.when(num_steps > 0)
       def _():
         issue_qk(0, s_ref, q_content)
-      s = s_ref[...]
-      return s, page_scale(0, exists=num_steps > 0) if EARLY_RELEASE else None
+      return s_ref[...]
 
     def softmax_page(step, s, k_scale, m_i, l_i, *, masked: bool):
       """Page ``step``'s online-softmax step on its scores and token scales (``[64, 64]``).
@@ -572,31 +563,25 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
     def step_fn(step, carry, *, masked: bool):
       """One page, its softmax (``softmax_page``) under the next page's QK."""
-      s, k_scale, m_i, l_i, sigma_i = carry
+      s, m_i, l_i, sigma_i = carry
 
       def softmax_under_next_qk(s_next_ref):
         # This page's QK is done (``s``): read its scales and release its slot before
-        # waiting for the next page, so that the refill does not queue behind its arrival
-        # (with EARLY_RELEASE that was done under the previous page's softmax).
-        scales = page_scale(step) if k_scale is None else k_scale
+        # waiting for the next page, so that the refill does not queue behind its arrival.
+        k_scale = page_scale(step)
 
         @pl.when(step + 1 < num_steps)
         def _():
           issue_qk(step + 1, s_next_ref, q_content)
-        m_new, alpha, l_new, p_fused = softmax_page(step, s, scales, m_i, l_i, masked=masked)
+        m_new, alpha, l_new, p_fused = softmax_page(step, s, k_scale, m_i, l_i, masked=masked)
         with jax.named_scope("quantize_p"):
           sigma, inv_sigma, p_q = quantize_p_tile(p_fused, sigma_i)
           factor = alpha * sigma_i * inv_sigma
-        next_scales = None
-        if EARLY_RELEASE:
-          with jax.named_scope("wait_qk"):
-            plgpu.wgmma_wait(0)  # the next page's QK is done with its slot
-          next_scales = page_scale(step + 1, exists=step + 1 < num_steps)
         with jax.named_scope("store_p"):
           hand_off_p(step, p_q, factor)
         with jax.named_scope("wait_qk"):
           s_next = s_next_ref[...]
-        return s_next, next_scales, m_new, l_new, sigma
+        return s_next, m_new, l_new, sigma
 
       return pl.run_scoped(softmax_under_next_qk,
                            plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
@@ -608,14 +593,14 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return step_fn(2 * j + 1, step_fn(2 * j, carry, masked=False), masked=False)
 
     num_full = common.num_full_pages(seq_len, first_page, num_steps, s_q=s_q, causal=causal)
-    carry = (*pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)),
+    carry = (pl.run_scoped(first_scores, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32)),
              common.zero_rows(QUERY_TILE, -jnp.inf), common.zero_rows(QUERY_TILE),
              common.zero_rows(QUERY_TILE, 1.0))
     carry = lax.fori_loop(0, num_full // 2, two_pages, carry)
     carry = lax.fori_loop(num_full // 2 * 2, num_full, functools.partial(step_fn, masked=False),
                           carry)
-    _, _, *final_state = lax.fori_loop(num_full, num_steps,
-                                       functools.partial(step_fn, masked=True), carry)
+    _, *final_state = lax.fori_loop(num_full, num_steps,
+                                    functools.partial(step_fn, masked=True), carry)
     finish(final_state, q_scale)
     observe_p_releases(p_free, p_buffers, num_steps)
 
