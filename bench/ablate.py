@@ -174,6 +174,15 @@ ABLATIONS["idle_skeleton_same_page"] = ABLATIONS["idle_skeleton"] + ABLATIONS["s
 ABLATIONS["idle_skeleton_one_stage_less"] = (ABLATIONS["idle_skeleton"]
                                              + ABLATIONS["one_stage_less"])
 
+# schedule="two_softmax_wgs" (two softmax warpgroups on alternate pages) in softmax_wg's
+# place, at its register split (88 softmax / 168 P V a thread) and at 96 / 160 (ptxas,
+# offline: spill instructions 162 / 48 at 88 / 168, 114 / 92 at 96 / 160; the P V
+# warpgroups spill half their accumulator at 152).
+ABLATIONS["two_softmax_wgs"] = [(
+    'softmax_wgs=2 if schedule == "two_softmax_wgs" else 1,', "softmax_wgs=2,")]
+ABLATIONS["two_softmax_wgs_96"] = ABLATIONS["two_softmax_wgs"] + [
+    ("SOFTMAX_REGISTERS = 88\n", "SOFTMAX_REGISTERS = 96\n"),
+    ("PV_REGISTERS = 168\n", "PV_REGISTERS = 160\n")]
 
 # The softmax warpgroup's unmasked pages one an iteration (S's registers rotated by moves)
 # instead of two.
