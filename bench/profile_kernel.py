@@ -89,7 +89,7 @@ def main():
     jax.block_until_ready(jax.jit(f)(q, r, caches[kind], bt, sl))
     del os.environ["SNAPMLA_PROFILE_DIR"]
     trace = sorted(glob.glob(os.path.join(trace_dir, "*-trace.json")))[-1]
-    regions, span = summarize(trace)
+    regions, span = summarize(trace, num_wgs=2 if "seesaw" in name else 3)
     print(f"\n{name}: b{args.batch} h{args.heads} {args.context} tokens, {steps:.0f} "
           f"page-steps per CTA, longest CTA {span:.1f} us ({span / steps:.3f} us per step)")
     for (wg, region), us in sorted(regions.items()):
