@@ -282,7 +282,7 @@ def test_rejects_bad_inputs():
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, pv="int8")
   with pytest.raises(ValueError, match="schedule must be"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="fast")
-  with pytest.raises(ValueError, match="2-stage ring"):
+  with pytest.raises(ValueError, match="ring of 2 or 4 stages"):
     call(qc, qs, qr, cache.content, cache.scale, cache.rope, schedule="seesaw",
          config=TuningConfig(num_stages=3))
   with pytest.raises(ValueError, match="does not multicast"):

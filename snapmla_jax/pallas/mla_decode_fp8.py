@@ -205,7 +205,8 @@ def dequantize_v_half(page_smem, v_smem, half: int, first_token, seq_len, masked
     v_smem.at[:, pl.ds(c, chunk)][...] = tile
 
 
-def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, masked: bool):
+def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, masked: bool,
+                     in_place: bool = False):
   """``vt16_smem``: one half of a page's V^T for ``pv="fp8"``, E4M3 bytes of tokens u and
   u + 32 interleaved (see the module docstring).
 
@@ -213,9 +214,13 @@ def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, ma
     page16_smem: u16 ``[64, 256]`` view of one page's e4m3 content ``[64, 512]``.
     vt16_smem: u16 ``[256, 32]`` view of the e4m3 V^T half ``[256, 64]``.
     masked: zero the tokens ``>= seq_len`` (the page may hold NaN there).
+    in_place: ``vt16_smem`` takes the bytes of the content it is built from (the seesaw's
+      ring, ``page16_smem`` then the u16 ``[64, 128]`` half itself, ``half=0``): every
+      thread's loads come before any store, behind a warpgroup barrier.
   """
   shape = (64, _HALF_PAGE)  # (u16 columns of the page = pairs of latent dims, u)
-  for chunk in range(2):  # 128 latent dims = 64 u16 columns each
+
+  def load(chunk):  # 128 latent dims = 64 u16 columns each
     cols = pl.ds(half * HALF_DIM // 2 + chunk * 64, 64)
     lo_rows = plgpu.load(page16_smem.at[:_HALF_PAGE, cols].T, layout=plgpu.Layout.WGMMA)
     hi_rows = plgpu.load(page16_smem.at[_HALF_PAGE:, cols].T, layout=plgpu.Layout.WGMMA)
@@ -224,10 +229,22 @@ def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, ma
                                      layout=plgpu.Layout.WGMMA) + first_token
       lo_rows = jnp.where(token < seq_len, lo_rows, jnp.zeros_like(lo_rows))
       hi_rows = jnp.where(token + _HALF_PAGE < seq_len, hi_rows, jnp.zeros_like(hi_rows))
+    return lo_rows, hi_rows
+
+  def store(chunk, lo_rows, hi_rows):
     even = permute_bytes(lo_rows, hi_rows, 0x6240)  # dims 2j: (V[u, 2j], V[u+32, 2j])
     odd = permute_bytes(lo_rows, hi_rows, 0x7351)   # dims 2j + 1
     vt16_smem.at[pl.ds(chunk * 64, 64)][...] = even
     vt16_smem.at[pl.ds(HALF_DIM // 2 + chunk * 64, 64)][...] = odd
+
+  if in_place:
+    rows = [load(chunk) for chunk in range(2)]
+    plgpu.commit_smem()
+    for chunk, (lo_rows, hi_rows) in enumerate(rows):
+      store(chunk, lo_rows, hi_rows)
+  else:
+    for chunk in range(2):
+      store(chunk, *load(chunk))
 
 
 def permute_bytes(a, b, selector: int):
@@ -901,7 +918,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   out_shape = (num_splits, batch, padded, CONTENT_DIM)
   if schedule == "seesaw":
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
-    kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(**params)
+    kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(
+        stages=config.num_stages, **params)
   elif swap_ab:  # O^T: [splits, batch, 512, rows]; the softmax reduces across warps
     vt_registers = config.vt_registers
     if vt_registers is None:  # on wherever it applies
@@ -985,7 +1003,7 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
       softmax warpgroups taking alternate pages, next to the two P V warpgroups; 0.80x
       the default on the H200, its softmax warpgroups spill at 88 registers),
       ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns with the pages;
-      a 2-stage ring; slower so far) or ``"swap_ab"`` (``mla_decode_fp8_swap_ab``: tokens
+      a 4-stage ring with V^T in place of the page; slower so far) or ``"swap_ab"`` (``mla_decode_fp8_swap_ab``: tokens
       as the wgmma's M, query rows as its N, for narrow query tiles); ``None``:
       ``default_schedule``.
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
@@ -1012,8 +1030,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   schedule = schedule or default_schedule(s_q, heads)
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
-  if schedule == "seesaw" and config.num_stages not in (None, 2):
-    raise ValueError(f"schedule='seesaw' has a 2-stage ring, got {config.num_stages=}")
+  if schedule == "seesaw" and config.num_stages not in (None, 2, 4):
+    raise ValueError(f"schedule='seesaw' takes a ring of 2 or 4 stages, got {config.num_stages=}")
   if schedule in ("seesaw", "swap_ab") and config.multicast:
     raise ValueError(f"schedule={schedule!r} does not multicast pages, "
                      "got config.multicast=True")

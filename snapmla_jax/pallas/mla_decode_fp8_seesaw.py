@@ -3,9 +3,9 @@
 ``mla_decode_fp8(..., schedule="seesaw")``. The paper's Algorithm 1 (and FlashMLA's
 schedule): warpgroup ``h`` owns output dims ``[256 h, 256 h + 256)`` and the pages of
 steps ``s = h, h + 2, ...``. For its own page it runs ``S = Q K^T`` (E4M3 + BF16 RoPE
-wgmma, as ``mla_decode_fp8``), builds both halves of the page's V (V^T on ``pv="fp8"``)
-under that GEMM, as the paper's Algorithm 1 does, then the softmax and the quantization
-of ``P'``; for every page it accumulates its half of ``P_q V``. Each warpgroup thus does
+wgmma, as ``mla_decode_fp8``), the softmax and the quantization of ``P'``, and builds both
+halves of the page's V (V^T on ``pv="fp8"``); for every page it accumulates its half of
+``P_q V``. Each warpgroup thus does
 half the softmax work of ``schedule="softmax_wg"``'s single softmax warpgroup, and with
 two warpgroups instead of three every thread may hold 255 registers.
 
@@ -16,17 +16,28 @@ warpgroups, with the state after step ``s - 1`` (``m, l, sigma``, published in S
 other warpgroup). Steps stay in strictly increasing order in each warpgroup's
 accumulator.
 
-Measured on the H200 (bench/RESULTS.md, 2026-12-06, 12c9ba8): correct, and slower than
-``"softmax_wg"`` (0.85x at b32 h128 16k). That version had each warpgroup build its V half
-of every page, the other's after its two P V GEMMs, off any GEMM's shadow. With the owner
-building both halves under its QK (e6496d6) it is 0.73-0.75x the BF16 kernel (H100).
+History (bench/RESULTS.md): with a 2-slot ring and V halves in buffers of their own, the
+owner building both under its QK (e6496d6), it was correct and 0.73-0.75x the BF16 kernel
+(H100; 255 registers, 304 B of spills): each warpgroup's next page was copied only once
+its QK and V were done, a step before it was needed. The ring below (eighteenth session)
+has 4 stages and no spills (ptxas, offline).
 
-SMEM: the query tile, a 2-slot ring of pages (page ``t`` in slot ``t % 2``: its owner
-reads it alone, and refills the slot with page ``t + 2`` once its QK and V are done), the
-two V halves of two pages (page ``t``'s in buffer ``t % 2``), ``P_q`` and the combined
-state of four steps (step ``s`` in buffer ``s % 4``, written by its owner). The other
-warpgroup's ``P_q V`` of step ``s`` releases (``p_free``) its V halves, ``P_q`` and
-state, which the owner waits for at step ``s + 2``, before it overwrites the V halves.
+Ring (``num_stages``, even, 4 by default): page ``t`` in slot ``t % stages``, so a slot
+only ever holds one warpgroup's pages. A page arrives as four TMAs (a barrier each): its
+E4M3 content as two ``[64, 256]`` halves of latent dims, each 16 KB of contiguous SMEM,
+its scales and its pre-scaled RoPE. On ``pv="fp8"`` the owner, once its QK is done,
+rewrites each content half in place as that half's V^T (``transpose_v_half``: all of a
+half's loads, a warpgroup barrier, then its stores), so V^T takes no SMEM of its own and
+the query tile, 4 stages, ``P_q`` and the state buffers fit in the 227 KB (3 stages did
+not fit next to separate V buffers).
+On ``pv="f16"`` (GPU interpret mode only: its f16 V halves do not fit a Hopper's SMEM)
+the V halves go into per-slot buffers, built under the QK. A slot is released by both
+warpgroups' ``P V`` of its page; the other warpgroup, whose ``P V`` of the page comes last
+(in its next step), waits for the release and copies page ``t + stages`` into the slot.
+
+``P_q`` and the combined state of step ``s`` live in buffer ``s % 4``, written by the
+owner; the other warpgroup's ``P_q V`` of step ``s`` releases them (``p_free``), which the
+owner waits for at step ``s + 2`` before it overwrites buffer ``(s + 4) % 4``.
 """
 
 from __future__ import annotations
@@ -40,117 +51,123 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from snapmla_jax.pallas import common
-from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE
-from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, PvImpl,
-                                               combine_page_state, dequantize_v_half,
-                                               issue_page_copies, operand_smem,
-                                               page_local_softmax, query_smem, store_p_tile,
-                                               transpose_v_half)
+from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE, ROPE_DIM
+from snapmla_jax.pallas.mla_decode_fp8 import (_FP8, _U16, PvImpl, combine_page_state,
+                                               dequantize_v_half, page_local_softmax,
+                                               query_smem, store_p_tile, transpose_v_half)
 
 NUM_WARPGROUPS = 2
-STAGES = 2   # page t in slot t % 2: a slot's pages all belong to warpgroup t % 2
+STAGES = 4   # the ring's default depth (even: slot k holds warpgroup k % 2's pages only)
 BUFFERS = 4  # P_q and combined state of step s in buffer s % 4 (owner s % 2)
-V_BUFFERS = 2  # both V halves of page t in buffer t % 2
 _M, _L, _SIGMA, _GAMMA = range(4)  # rows of a state buffer
+_CONTENT_HALVES = (0, 1)
+_SCALE, _ROPE = 2, 3               # a page's four TMAs (and barriers): both content halves,
+COPIES = 4                         # the scales, the RoPE
 
 
 def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ranges_ref,
             lens_ref,                                            # inputs (GMEM)
             out_ref, lse_ref,                                    # outputs (GMEM)
-            qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v0_smem, v1_smem, p_smem,
+            qc_smem, qs_smem, qr_smem, kc_smem, ks_smem, kr_smem, v_smem, p_smem,
             state_smem, lse_smem,                                # SMEM
-            q_bar, kv_ready, state_ready, p_ready, p_free,       # barriers
-            *, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
-            in_place: bool):
+            q_bar, kv_ready, kv_free, state_ready, p_ready, p_free,  # barriers
+            *, s_q: int, heads: int, scale_log2: float, causal: bool, stages: int,
+            pv_impl: PvImpl, in_place: bool):
   row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
                                                                              lens_ref)
   wg = lax.axis_index("wg")
-  v_smem = (v0_smem, v1_smem)  # V half h of two pages, read by warpgroup h (V^T on fp8)
-  if pv_impl == "fp8":  # (fp8, u16) views of the same bytes
-    (kc_smem, kc16_smem), (p_smem, p16_smem) = kc_smem, p_smem
-    v16_smem = tuple(views[1] for views in v_smem)
-    v_smem = tuple(views[0] for views in v_smem)
+  if pv_impl == "fp8":  # the ring's content halves and, in the same bytes, their V^T
+    (kc_smem, kc16_smem, v_smem, v16_smem), (p_smem, p16_smem) = kc_smem, p_smem
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
   last = num_steps - 1
 
   def kv_bar(step, which):
-    return kv_ready.at[lax.rem(step, STAGES) * 3 + which]
+    return kv_ready.at[lax.rem(step, stages) * COPIES + which]
 
   def issue_copies(step):
-    issue_page_copies((content_ref, scale_ref, rope_ref), (kc_smem, ks_smem, kr_smem),
-                      bt_ref[b, first_page + step], lax.rem(step, STAGES), kv_ready)
+    slot = lax.rem(step, stages)
+    page = bt_ref[b, first_page + step]
+    for h in _CONTENT_HALVES:
+      plgpu.copy_gmem_to_smem(content_ref.at[page, :, pl.ds(h * HALF_DIM, HALF_DIM)],
+                              kc_smem.at[slot * 2 + h], kv_bar(step, h))
+    plgpu.copy_gmem_to_smem(scale_ref.at[page], ks_smem.at[slot], kv_bar(step, _SCALE))
+    plgpu.copy_gmem_to_smem(rope_ref.at[page], kr_smem.at[slot], kv_bar(step, _ROPE))
 
   def load_rows(ref):
     return plgpu.load(ref, layout=row_layout)
 
+  def v_operand(step, h):
+    """The P V operand of page ``step``'s V half ``h``: f16 ``[64, 256]``, or V^T
+    ``[256, 64]`` transposed."""
+    slot = lax.rem(step, stages)
+    if pv_impl == "f16":
+      return v_smem[h].at[slot]
+    return v_smem.at[slot * 2 + h].T
+
+  def prepare_v(step, masked: bool):
+    """Both halves of page ``step``'s V: f16 into the slot's V buffers (under the QK), or
+    V^T in place of the content (after it)."""
+    slot = lax.rem(step, stages)
+    first_token = (first_page + step) * PAGE_SIZE
+    for h in _CONTENT_HALVES:
+      if pv_impl == "f16":
+        dequantize_v_half(kc_smem.at[slot * 2 + h], v_smem[h].at[slot], 0, first_token, seq_len,
+                          masked)
+      else:
+        transpose_v_half(kc16_smem.at[slot * 2 + h], v16_smem.at[slot * 2 + h], 0, first_token,
+                         seq_len, masked, in_place=True)
+
   def warpgroup(half: int):
     other = 1 - half
-
-    def prepare_v(step):
-      """Both halves of page ``step``'s V (V^T) into their buffers; the caller waited for
-      the page's content and for the other warpgroup's release of step ``step - 2``."""
-      slot, buf = lax.rem(step, STAGES), lax.rem(step, V_BUFFERS)
-      first_token = (first_page + step) * PAGE_SIZE
-      for masked in (False, True):  # only a partial page is masked
-        @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
-        def _():
-          for h in range(NUM_WARPGROUPS):
-            if pv_impl == "f16":
-              dequantize_v_half(kc_smem.at[slot], v_smem[h].at[buf], h, first_token,
-                                seq_len, masked)
-            else:
-              transpose_v_half(kc16_smem.at[slot], v16_smem[h].at[buf], h, first_token,
-                               seq_len, masked)
-      plgpu.commit_smem()  # also a warpgroup barrier: every read of the slot is done
 
     def accumulate(step, acc):
       """``acc * gamma_step + P_q V`` of page ``step``: P_q and the state in SMEM."""
       buf = lax.rem(step, BUFFERS)
       gamma = load_rows(state_smem.at[buf, _GAMMA])
-      v = v_smem[half].at[lax.rem(step, V_BUFFERS)]
       return common.accumulate_pv(acc * common.row_broadcast(gamma, acc.shape),
-                                  p_smem.at[buf], v if pv_impl == "f16" else v.T,
-                                  in_place=in_place)
+                                  p_smem.at[buf], v_operand(step, half), in_place=in_place)
 
     def accumulate_others(step, acc):
-      """``accumulate`` of the other warpgroup's page ``step``."""
-      buf = lax.rem(step, BUFFERS)
+      """``accumulate`` of the other warpgroup's page ``step``, the last use of its slot:
+      then page ``step + stages`` into it, once the owner released it too."""
+      buf, slot = lax.rem(step, BUFFERS), lax.rem(step, stages)
       plgpu.barrier_wait(p_ready.at[buf])
       acc = accumulate(step, acc)
       plgpu.barrier_arrive(p_free.at[buf])
+      with jax.named_scope("refill"):
+        plgpu.barrier_arrive(kv_free.at[slot])
+        plgpu.barrier_wait(kv_free.at[slot])
+
+        @pl.when(step + stages < num_steps)
+        def _():
+          issue_copies(step + stages)
       return acc
 
     def own_step(j, acc, *, q_scale, masked: bool):
-      """Page ``s = 2 j + half``: QK (both V halves built under it), the refill of its
-      slot, local softmax, combine, P_q; then ``P V`` of pages ``s - 1`` and ``s``."""
+      """Page ``s = 2 j + half``: QK, local softmax, combine, P_q and V; then ``P V`` of
+      pages ``s - 1`` and ``s``."""
       step = 2 * j + half
-      slot, buf = lax.rem(step, STAGES), lax.rem(step, BUFFERS)
+      slot, buf = lax.rem(step, stages), lax.rem(step, BUFFERS)
       first_token = (first_page + step) * PAGE_SIZE
 
-      def qk_under_v(s_ref):
+      def qk(s_ref):
         with jax.named_scope("wait_kv"):
-          plgpu.barrier_wait(kv_bar(step, _CONTENT))
-          plgpu.barrier_wait(kv_bar(step, _ROPE))
-        plgpu.wgmma(s_ref, qc_smem, kc_smem.at[slot].T)
+          for which in (*_CONTENT_HALVES, _ROPE):
+            plgpu.barrier_wait(kv_bar(step, which))
+        for h in _CONTENT_HALVES:
+          plgpu.wgmma(s_ref, qc_smem.at[:, pl.ds(h * HALF_DIM, HALF_DIM)],
+                      kc_smem.at[slot * 2 + h].T)
         plgpu.wgmma(s_ref, qr_smem, kr_smem.at[slot].T)
         plgpu.barrier_wait(kv_bar(step, _SCALE))
         k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
-        with jax.named_scope("wait_v_free"):
-          @pl.when(step >= 2)
-          def _():  # the other warpgroup is done with step - 2: V halves, P_q and state
-            plgpu.barrier_wait(p_free.at[lax.rem(step - 2, BUFFERS)])
-        with jax.named_scope("prepare_v"):
-          prepare_v(step)
+        if pv_impl == "f16":
+          with jax.named_scope("prepare_v"):
+            prepare_v(step, masked)
         with jax.named_scope("wait_qk"):
           return s_ref[...], k_scale
 
-      scores, k_scale = pl.run_scoped(qk_under_v, plgpu.ACC((QUERY_TILE, PAGE_SIZE),
-                                                            jnp.float32))
-
-      @pl.when(step + STAGES < num_steps)
-      def _():  # QK, scales and V of this page are done: the slot takes page step + 2
-        issue_copies(step + STAGES)
+      scores, k_scale = pl.run_scoped(qk, plgpu.ACC((QUERY_TILE, PAGE_SIZE), jnp.float32))
       k_scale = lax.broadcast_in_dim(k_scale, scores.shape, [1])
 
       with jax.named_scope("softmax"):  # relative to the page's own max: no wait
@@ -159,6 +176,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
           visible = common.visible_token_mask(first_token, seq_len, row_tile, s_q=s_q,
                                               heads=heads, causal=causal)
         m_loc, l_loc, p_fused, p_max = page_local_softmax(scores, k_scale, q_scale, visible)
+
+      with jax.named_scope("wait_p_free"):
+        @pl.when(step >= 2)
+        def _():  # the other warpgroup is done with step - 2, so with buffer (step + 4) % 4
+          plgpu.barrier_wait(p_free.at[lax.rem(step - 2, BUFFERS)])
 
       with jax.named_scope("combine"):
         prev = lax.rem(step + BUFFERS - 1, BUFFERS)  # step 0: the initial state
@@ -170,8 +192,6 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
                                       for row in (_M, _L, _SIGMA))
         (m_new, l_new, sigma), beta, gamma = combine_page_state(
             m_prev, l_prev, sigma_prev, m_loc, l_loc, p_max, q_scale)
-
-        # P_q and state buffer ``buf`` were last used by step - 4: released at step - 2.
         for row, value in ((_M, m_new), (_L, l_new), (_SIGMA, sigma), (_GAMMA, gamma)):
           state_smem.at[buf, row][...] = value
         plgpu.commit_smem()
@@ -181,8 +201,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         inv = jnp.where(p_max > 0, beta / sigma, 0.0)
         p_q = (p_fused * common.row_broadcast(inv, p_fused.shape)).astype(_FP8)
         store_p_tile(p_q, p_smem.at[buf] if pv_impl == "f16" else p16_smem.at[buf], pv_impl)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_ready.at[buf])
+      if pv_impl == "fp8":
+        with jax.named_scope("prepare_v"):
+          prepare_v(step, masked)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_ready.at[buf])
 
       with jax.named_scope("pv"):
         if half == 0:  # step 0 has no page before it
@@ -191,6 +214,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         else:
           acc = accumulate_others(step - 1, acc)
         acc = accumulate(step, acc)
+      plgpu.barrier_arrive(kv_free.at[slot])
       return acc
 
     if half == 0:
@@ -202,9 +226,10 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         state_smem.at[BUFFERS - 1, row][...] = common.zero_rows(QUERY_TILE, value)
       plgpu.commit_smem()
 
-    @pl.when(half < num_steps)
-    def _():
-      issue_copies(half)
+    for step in range(half, stages, 2):  # this warpgroup's pages of the first fill
+      @pl.when(step < num_steps)
+      def _():
+        issue_copies(step)
     for i in range(3):
       plgpu.barrier_wait(q_bar.at[i])
     q_scale = plgpu.load(qs_smem, layout=row_layout) * scale_log2
@@ -253,23 +278,50 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     pl.when(wg == half)(functools.partial(warpgroup, half))
 
 
+def ring_smem(pv_impl: PvImpl, stages: int):
+  """``(content, scales, rope, v)``: the ring (content e4m3 ``[stages * 2, 64, 256]``, the
+  halves of latent dims of slot s at ``2 s`` and ``2 s + 1``; scales f32 ``[stages, 64]``;
+  RoPE bf16 ``[stages, 64, 64]``) and the V storage: on ``pv="fp8"`` the content is a
+  ``RefUnion`` of (e4m3, u16) views of it and of its V^T halves e4m3
+  ``[stages * 2, 256, 64]`` (u16 ``[..., 32]``) in the same bytes, and ``v`` is ``()``; on
+  ``pv="f16"`` ``v`` holds two f16 ``[stages, 64, 256]``."""
+  content = common.smem((stages * 2, PAGE_SIZE, HALF_DIM), _FP8)
+  v = ()
+  if pv_impl == "fp8":
+    content = plgpu.RefUnion(
+        content, common.smem((stages * 2, PAGE_SIZE, HALF_DIM // 2), _U16),
+        common.smem((stages * 2, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
+        common.smem((stages * 2, HALF_DIM, PAGE_SIZE // 2), _U16, swizzle=64))
+  else:
+    v = (common.smem((stages, PAGE_SIZE, HALF_DIM), jnp.float16),) * NUM_WARPGROUPS
+  return (content, plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
+          common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16), v)
+
+
 def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
-           in_place: bool):
+           in_place: bool, stages: int | None = None):
   """The kernel, its scratch and its warpgroup count, for ``mla_decode_fp8._decode``."""
+  stages = stages or STAGES
+  if stages % 2:
+    raise ValueError(f"schedule='seesaw' needs an even ring depth, got {stages}")
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, scale_log2=scale_log2,
-                             causal=causal, pv_impl=pv_impl, in_place=in_place)
-  ring, v_buf, p_buf = operand_smem(pv_impl, stages=STAGES, p_buffers=BUFFERS,
-                                    v_pages=V_BUFFERS)
+                             causal=causal, stages=stages, pv_impl=pv_impl, in_place=in_place)
+  content, scales, rope, v = ring_smem(pv_impl, stages)
+  if pv_impl == "f16":
+    p = common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE), jnp.float16)
+  else:
+    p = plgpu.RefUnion(common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
+                       common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE // 2), _U16, swizzle=64))
   scratch = [
       *query_smem(),
-      *ring,
-      v_buf,
-      v_buf,
-      p_buf,
+      content, scales, rope,
+      v,
+      p,
       plgpu.SMEM((BUFFERS, 4, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
-      plgpu.Barrier(num_barriers=3 * STAGES),
+      plgpu.Barrier(num_barriers=COPIES * stages),
+      plgpu.Barrier(num_arrivals=NUM_WARPGROUPS, num_barriers=stages),  # both P Vs done
       plgpu.Barrier(num_barriers=BUFFERS),
       plgpu.Barrier(num_barriers=BUFFERS),
       plgpu.Barrier(num_barriers=BUFFERS),
