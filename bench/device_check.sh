@@ -10,6 +10,8 @@
 #                                       two kernels' shape grids, data_path, bench --quick)
 #   bash bench/device_check.sh tables   (one call, <= 9.5 min: the full kernel table with the
 #                                       default rows and e2e at 16k/64k, for RESULTS' summary)
+#   bash bench/device_check.sh seesaw   (~6 min: the seesaw's GPU tests, then it timed next to
+#                                       the defaults at the 128- and 16-head rows)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +57,10 @@ case $what in
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;
+  seesaw)  # the seesaw's 4-stage ring with V^T in place (eighteenth session): correct? faster?
+    timeout 170 bash "$0" tests tests/test_pallas_fp8.py -k "vs_emulation and fp8-seesaw"; status=$?
+    timeout 170 bash "$0" bench --only bf16,fp8-fp8,fp8-seesaw \
+      --shapes 32,128,1,16384 32,128,2,16384 128,16,1,16384 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
