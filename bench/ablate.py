@@ -9,7 +9,7 @@ leave one stage out and take differences). A substitution that no longer matches
 source fails loudly.
 
   python bench/ablate.py [--shapes 32,128,1,16384 128,16,1,16384] [--only NAME,...]
-                        [--kernel bf16|swap_ab] [--multicast] [--l2-pages]
+                        [--kernel bf16|swap_ab|seesaw] [--multicast] [--l2-pages]
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import importlib.util
 import inspect
 
 from snapmla_jax import quant
-from snapmla_jax.pallas import common, mla_decode_bf16, mla_decode_fp8, mla_decode_fp8_swap_ab
+from snapmla_jax.pallas import (common, mla_decode_bf16, mla_decode_fp8, mla_decode_fp8_seesaw,
+                                mla_decode_fp8_swap_ab)
 
 ABLATIONS = {  # name: [(old source, new source), ...]
     "base": [],
@@ -251,8 +252,27 @@ SWAP_AB_ABLATIONS = {
 SWAP_AB_ABLATIONS["pv_wgs_idle"] = SWAP_AB_ABLATIONS["no_pv"] + SWAP_AB_ABLATIONS["no_vt_build"]
 SWAP_AB_ABLATIONS["idle_no_reductions"] = (SWAP_AB_ABLATIONS["pv_wgs_idle"]
                                            + SWAP_AB_ABLATIONS["no_reductions"])
+# The seesaw (two warpgroups taking turns with the pages, 4-stage ring, V^T in place): where
+# does its page-step go (``--kernel seesaw``)?
+SEESAW_ABLATIONS = {
+    "base": [],
+    "no_pv": [(
+        "      return common.accumulate_pv(acc * common.row_broadcast(gamma, acc.shape),\n"
+        "                                  p_smem.at[buf], v_operand(step, half), in_place=in_place)\n",
+        "      return acc * common.row_broadcast(gamma, acc.shape)\n")],
+    "no_vt_build": [(
+        '      if pv_impl == "fp8":\n        with jax.named_scope("prepare_v"):\n'
+        '          prepare_v(step, masked)\n', "")],
+    "no_softmax": [(  # P' = S, the rows' state constant (the combine stays)
+        "        m_loc, l_loc, p_fused, p_max = page_local_softmax(scores, k_scale, q_scale, visible)\n",
+        "        m_loc = l_loc = p_max = common.zero_rows(QUERY_TILE, 1.0)\n"
+        "        p_fused = scores\n")],
+    "stages_2": [("STAGES = 4 ", "STAGES = 2 ")],
+}
+SEESAW_ABLATIONS["pv_idle"] = SEESAW_ABLATIONS["no_pv"] + SEESAW_ABLATIONS["no_vt_build"]
 KERNELS = {"fp8": (mla_decode_fp8, ABLATIONS), "bf16": (mla_decode_bf16, BF16_ABLATIONS),
-           "swap_ab": (mla_decode_fp8_swap_ab, SWAP_AB_ABLATIONS)}
+           "swap_ab": (mla_decode_fp8_swap_ab, SWAP_AB_ABLATIONS),
+           "seesaw": (mla_decode_fp8_seesaw, SEESAW_ABLATIONS)}
 
 
 def patched(module, edits, name: str, **names):
@@ -270,15 +290,16 @@ def patched(module, edits, name: str, **names):
 
 
 def variant(name: str, kernel: str = "fp8"):
-  """The kernel module with ablation ``name`` applied, as a fresh module (``swap_ab``: a
-  ``mla_decode_fp8`` whose swap_ab schedule is the ablated one)."""
+  """The kernel module with ablation ``name`` applied, as a fresh module (``swap_ab`` and
+  ``seesaw``: a ``mla_decode_fp8`` whose schedule of that name is the ablated one)."""
   module, ablations = KERNELS[kernel]
   ablated = patched(module, ablations[name], name)
-  if kernel != "swap_ab":
+  if kernel not in ("swap_ab", "seesaw"):
     return ablated
-  return patched(mla_decode_fp8, [("    from snapmla_jax.pallas import mla_decode_fp8_swap_ab\n",
-                                   "    mla_decode_fp8_swap_ab = _ABLATED_SWAP_AB\n")],
-                 name, _ABLATED_SWAP_AB=ablated)
+  module_name = f"mla_decode_fp8_{kernel}"
+  return patched(mla_decode_fp8, [(f"    from snapmla_jax.pallas import {module_name}\n",
+                                   f"    {module_name} = _ABLATED\n")],
+                 name, _ABLATED=ablated)
 
 
 def variant_decode(name: str, config, pv: str = "fp8", kernel: str = "fp8"):
@@ -290,7 +311,7 @@ def variant_decode(name: str, config, pv: str = "fp8", kernel: str = "fp8"):
     return lambda q, r, c, bt, sl: module.mla_decode_bf16(
         q, r, c.latent, bt, sl, softmax_scale=SCALE, config=config)
 
-  schedule = "swap_ab" if kernel == "swap_ab" else "softmax_wg"
+  schedule = kernel if kernel in ("swap_ab", "seesaw") else "softmax_wg"
 
   def f(qc, qs, qr, c, bt, sl):
     return module.mla_decode_fp8(qc, qs, qr, c.content, c.scale, c.rope, bt, sl,
@@ -311,7 +332,7 @@ def main():
   parser.add_argument("--promote-pv", action="store_true", help="TuningConfig.promote_pv")
   parser.add_argument("--multicast", action="store_true", help="TuningConfig.multicast")
   parser.add_argument("--kernel", choices=KERNELS, default="fp8",
-                      help="fp8: the softmax_wg schedule; swap_ab: the FP8 kernel's other")
+                      help="fp8: the softmax_wg schedule; swap_ab, seesaw: the FP8 kernel's others")
   parser.add_argument("--l2-pages", action="store_true",
                       help="every sequence reads the same pages, from L2 (no HBM bound)")
   args = parser.parse_args()
