@@ -5,9 +5,9 @@ schedule): warpgroup ``h`` owns output dims ``[256 h, 256 h + 256)`` and the pag
 steps ``s = h, h + 2, ...``. For its own page it runs ``S = Q K^T`` (E4M3 + BF16 RoPE
 wgmma, as ``mla_decode_fp8``), the softmax and the quantization of ``P'``, and builds both
 halves of the page's V (V^T on ``pv="fp8"``); for every page it accumulates its half of
-``P_q V``. Each warpgroup thus does
-half the softmax work of ``schedule="softmax_wg"``'s single softmax warpgroup, and with
-two warpgroups instead of three every thread may hold 255 registers.
+``P_q V``. Each warpgroup thus does half the softmax work of ``schedule="softmax_wg"``'s
+single softmax warpgroup, and with two warpgroups instead of three every thread may hold
+255 registers.
 
 The softmax of page ``s`` is taken relative to the page's own row max ``m_loc``, so the
 heavy part (exp2, row sums, the block max of ``P'``) does not wait for page ``s - 1``.
@@ -37,8 +37,9 @@ warpgroups' ``P V`` of its page; the other warpgroup, whose ``P V`` of the page 
 (in its next step), waits for the release and copies page ``t + stages`` into the slot.
 
 ``P_q`` and the combined state of step ``s`` live in buffer ``s % 4``, written by the
-owner; the other warpgroup's ``P_q V`` of step ``s`` releases them (``p_free``), which the
-owner waits for at step ``s + 2`` before it overwrites buffer ``(s + 4) % 4``.
+owner; the other warpgroup's ``P_q V`` of step ``s`` releases them (``p_free``). At step
+``s`` the owner waits for the release of step ``s - 2``, and so of step ``s - 4``, whose
+buffer it then overwrites.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
 
       with jax.named_scope("wait_p_free"):
         @pl.when(step >= 2)
-        def _():  # the other warpgroup is done with step - 2, so with buffer (step + 4) % 4
+        def _():  # the other warpgroup is done with step - 2, so with step - 4 and its buffer
           plgpu.barrier_wait(p_free.at[lax.rem(step - 2, BUFFERS)])
 
       with jax.named_scope("combine"):
