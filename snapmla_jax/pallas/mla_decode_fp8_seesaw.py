@@ -302,10 +302,9 @@ def ring_smem(pv_impl: PvImpl, stages: int):
 
 def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
            in_place: bool, stages: int | None = None):
-  """The kernel, its scratch and its warpgroup count, for ``mla_decode_fp8._decode``."""
+  """The kernel, its scratch and its warpgroup count, for ``mla_decode_fp8._decode``
+  (``stages``: even, ``STAGES`` if None)."""
   stages = stages or STAGES
-  if stages % 2:
-    raise ValueError(f"schedule='seesaw' needs an even ring depth, got {stages}")
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, scale_log2=scale_log2,
                              causal=causal, stages=stages, pv_impl=pv_impl, in_place=in_place)
   content, scales, rope, v = ring_smem(pv_impl, stages)
