@@ -849,6 +849,15 @@ def _softmax_wg_launch(*, s_q, heads, scale_log2, causal, stages, pv_impl, in_pl
   return kernel, scratch, softmax_wgs + NUM_PV_WGS
 
 
+def p_buffer_smem(pv_impl: PvImpl, p_buffers: int):
+  """SMEM of the ``P_q`` buffers: f16 ``[p_buffers, 64, 64]`` (``pv="f16"``), or a
+  ``RefUnion`` of e4m3 ``[p_buffers, 64, 64]`` and its u16 ``[..., 32]`` view."""
+  if pv_impl == "f16":
+    return common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), jnp.float16)
+  return plgpu.RefUnion(common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
+                        common.smem((p_buffers, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
+
+
 def operand_smem(pv_impl: PvImpl, *, stages: int, p_buffers: int, v_pages: int | None = None):
   """SMEM of the page ring, of one warpgroup's V half and of the P_q buffers.
 
@@ -863,17 +872,14 @@ def operand_smem(pv_impl: PvImpl, *, stages: int, p_buffers: int, v_pages: int |
   content = common.smem((stages, PAGE_SIZE, CONTENT_DIM), _FP8)
   if pv_impl == "f16":
     v = common.smem((*lead, PAGE_SIZE, HALF_DIM), jnp.float16)
-    p = common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), jnp.float16)
   else:
     content = plgpu.RefUnion(content,
                              common.smem((stages, PAGE_SIZE, CONTENT_DIM // 2), _U16))
     v = plgpu.RefUnion(common.smem((*lead, HALF_DIM, PAGE_SIZE), _FP8, swizzle=64),
                        common.smem((*lead, HALF_DIM, _HALF_PAGE), _U16, swizzle=64))
-    p = plgpu.RefUnion(common.smem((p_buffers, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
-                       common.smem((p_buffers, QUERY_TILE, _HALF_PAGE), _U16, swizzle=64))
   ring = [content, plgpu.SMEM((stages, PAGE_SIZE), jnp.float32),
           common.smem((stages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16)]
-  return ring, v, p
+  return ring, v, p_buffer_smem(pv_impl, p_buffers)
 
 
 def query_smem():
@@ -1003,8 +1009,9 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
       softmax warpgroups taking alternate pages, next to the two P V warpgroups; 0.80x
       the default on the H200, its softmax warpgroups spill at 88 registers),
       ``"seesaw"`` (``mla_decode_fp8_seesaw``: two warpgroups taking turns with the pages;
-      a 4-stage ring with V^T in place of the page; slower so far) or ``"swap_ab"`` (``mla_decode_fp8_swap_ab``: tokens
-      as the wgmma's M, query rows as its N, for narrow query tiles); ``None``:
+      a 4-stage ring with V^T in place of the page; 0.89x the default so far) or
+      ``"swap_ab"`` (``mla_decode_fp8_swap_ab``: tokens as the wgmma's M, query rows as its
+      N, for narrow query tiles); ``None``:
       ``default_schedule``.
     interpret: run in Mosaic GPU's interpret mode (CPU, tests).
 
@@ -1031,7 +1038,8 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule=!r}")
   if schedule == "seesaw" and config.num_stages not in (None, 2, 4):
-    raise ValueError(f"schedule='seesaw' takes a ring of 2 or 4 stages, got {config.num_stages=}")
+    raise ValueError("schedule='seesaw' takes a ring of 2 or 4 stages, "
+                     f"got {config.num_stages=}")
   if schedule in ("seesaw", "swap_ab") and config.multicast:
     raise ValueError(f"schedule={schedule!r} does not multicast pages, "
                      "got config.multicast=True")

@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE, ROPE_DIM
 from snapmla_jax.pallas.mla_decode_fp8 import (_FP8, _U16, PvImpl, combine_page_state,
-                                               dequantize_v_half, page_local_softmax,
+                                               dequantize_v_half, p_buffer_smem, page_local_softmax,
                                                query_smem, store_p_tile, transpose_v_half)
 
 NUM_WARPGROUPS = 2
@@ -114,11 +114,11 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     first_token = (first_page + step) * PAGE_SIZE
     for h in _CONTENT_HALVES:
       if pv_impl == "f16":
-        dequantize_v_half(kc_smem.at[slot * 2 + h], v_smem[h].at[slot], 0, first_token, seq_len,
-                          masked)
+        dequantize_v_half(kc_smem.at[slot * 2 + h], v_smem[h].at[slot], 0, first_token,
+                          seq_len, masked)
       else:
-        transpose_v_half(kc16_smem.at[slot * 2 + h], v16_smem.at[slot * 2 + h], 0, first_token,
-                         seq_len, masked, in_place=True)
+        transpose_v_half(kc16_smem.at[slot * 2 + h], v16_smem.at[slot * 2 + h], 0,
+                         first_token, seq_len, masked, in_place=True)
 
   def warpgroup(half: int):
     other = 1 - half
@@ -308,16 +308,11 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, scale_log2=scale_log2,
                              causal=causal, stages=stages, pv_impl=pv_impl, in_place=in_place)
   content, scales, rope, v = ring_smem(pv_impl, stages)
-  if pv_impl == "f16":
-    p = common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE), jnp.float16)
-  else:
-    p = plgpu.RefUnion(common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE), _FP8, swizzle=64),
-                       common.smem((BUFFERS, QUERY_TILE, PAGE_SIZE // 2), _U16, swizzle=64))
   scratch = [
       *query_smem(),
       content, scales, rope,
       v,
-      p,
+      p_buffer_smem(pv_impl, BUFFERS),
       plgpu.SMEM((BUFFERS, 4, QUERY_TILE), jnp.float32),
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
