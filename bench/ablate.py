@@ -268,8 +268,18 @@ SEESAW_ABLATIONS = {
         "        m_loc = l_loc = p_max = common.zero_rows(QUERY_TILE, 1.0)\n"
         "        p_fused = scores\n")],
     "stages_2": [("STAGES = 4 ", "STAGES = 2 ")],
+    # The two warpgroups' coupling (timing only: the values read are stale): the combine
+    # without the other warpgroup's state of the step before, and the other's page's P V
+    # without its P_q.
+    "no_state_wait": [
+        ("        @pl.when(step > 0)\n        def _():\n"
+         "          plgpu.barrier_wait(state_ready.at[prev])\n", ""),
+        ("    @pl.when(others_last)\n    def _():\n"
+         "      plgpu.barrier_wait(state_ready.at[last_buf])\n", "")],
+    "no_p_wait": [("      plgpu.barrier_wait(p_ready.at[buf])\n", "")],
 }
 SEESAW_ABLATIONS["pv_idle"] = SEESAW_ABLATIONS["no_pv"] + SEESAW_ABLATIONS["no_vt_build"]
+SEESAW_ABLATIONS["decoupled"] = SEESAW_ABLATIONS["no_state_wait"] + SEESAW_ABLATIONS["no_p_wait"]
 KERNELS = {"fp8": (mla_decode_fp8, ABLATIONS), "bf16": (mla_decode_bf16, BF16_ABLATIONS),
            "swap_ab": (mla_decode_fp8_swap_ab, SWAP_AB_ABLATIONS),
            "seesaw": (mla_decode_fp8_seesaw, SEESAW_ABLATIONS)}
