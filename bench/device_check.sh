@@ -10,8 +10,8 @@
 #                                       two kernels' shape grids, data_path, bench --quick)
 #   bash bench/device_check.sh tables   (one call, <= 9.5 min: the full kernel table with the
 #                                       default rows and e2e at 16k/64k, for RESULTS' summary)
-#   bash bench/device_check.sh seesaw   (~6 min: the seesaw's GPU tests, then it timed next to
-#                                       the defaults at the 128- and 16-head rows)
+#   bash bench/device_check.sh seesaw   (~7 min: the seesaw's multicast GPU tests, then it timed,
+#                                       alone and multicast, next to the defaults at 128 heads)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,19 +48,19 @@ case $what in
   tables)  # the issues' tables: every bench shape (BF16, FP8 and XLA at their defaults; the
             # knobs' rows with bench --only), then end to end
     timeout 380 bash "$0" bench \
-      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-softmax-wg,fp8-swap-ab,fp8-swap-ab-vt-smem
+      --skip bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-seesaw-multicast,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-softmax-wg,fp8-swap-ab,fp8-swap-ab-vt-smem
     timeout 180 bash "$0" e2e --contexts 16384 65536 --steps 5 ;;
   short)  # what a call squeezed by failed starts can still tell (~5 min): the issues'
            # compute- and memory-bound rows, the skeleton's floor on this card, e2e at 64k
     timeout 140 bash "$0" bench \
-      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-swap-ab,fp8-swap-ab-vt-smem \
+      --skip xla-bf16,bf16-multicast,fp8-f16,fp8-promoted,fp8-seesaw,fp8-seesaw-multicast,fp8-in-order,fp8-multicast,fp8-two-softmax-wgs,bf16-token-halves,fp8-swap-ab,fp8-swap-ab-vt-smem \
       --shapes 32,128,1,16384 128,128,1,16384 32,128,1,65536 128,16,1,16384
     timeout 60 bash "$0" ablate --shapes 32,128,1,16384 --only idle_skeleton,idle_skeleton_same_page
     timeout 100 bash "$0" e2e --contexts 65536 --steps 5 ;;
-  seesaw)  # the seesaw's 4-stage ring with V^T in place (eighteenth session): correct? faster?
-    timeout 170 bash "$0" tests tests/test_pallas_fp8.py -k "vs_emulation and fp8-seesaw"; status=$?
-    timeout 170 bash "$0" bench --only bf16,fp8-fp8,fp8-seesaw \
-      --shapes 32,128,1,16384 32,128,2,16384 128,16,1,16384 ;;
+  seesaw)  # the seesaw (4-stage ring, V^T in place), alone and multicast: correct? faster?
+    timeout 200 bash "$0" tests tests/test_pallas_fp8.py -k "multicast and seesaw"; status=$?
+    timeout 200 bash "$0" bench --only bf16,fp8-fp8,fp8-multicast,fp8-seesaw,fp8-seesaw-multicast \
+      --shapes 32,128,1,16384 32,128,2,16384 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?

@@ -97,6 +97,7 @@ def impls(fp8_config=None):
       "fp8-promoted": ("fp8", fp8("fp8", "softmax_wg", promote_pv=True)),
       "fp8-multicast": ("fp8", fp8("fp8", "softmax_wg", multicast=True)),
       "fp8-seesaw": ("fp8", fp8("fp8", "seesaw")),
+      "fp8-seesaw-multicast": ("fp8", fp8("fp8", "seesaw", multicast=True)),
       "fp8-two-softmax-wgs": ("fp8", fp8("fp8", "two_softmax_wgs")),
       "fp8-swap-ab": ("fp8", fp8("fp8", "swap_ab")),
       "fp8-swap-ab-vt-smem": ("fp8", fp8("fp8", "swap_ab", vt_registers=False)),

@@ -925,7 +925,7 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
   if schedule == "seesaw":
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(
-        stages=config.num_stages, **params)
+        stages=config.num_stages, pair_axis=pair_axis, **params)
   elif swap_ab:  # O^T: [splits, batch, 512, rows]; the softmax reduces across warps
     vt_registers = config.vt_registers
     if vt_registers is None:  # on wherever it applies
@@ -1040,7 +1040,7 @@ def mla_decode_fp8(q_content: jax.Array, q_scale: jax.Array, q_rope: jax.Array,
   if schedule == "seesaw" and config.num_stages not in (None, 2, 4):
     raise ValueError("schedule='seesaw' takes a ring of 2 or 4 stages, "
                      f"got {config.num_stages=}")
-  if schedule in ("seesaw", "swap_ab") and config.multicast:
+  if schedule == "swap_ab" and config.multicast:
     raise ValueError(f"schedule={schedule!r} does not multicast pages, "
                      "got config.multicast=True")
   if config.promote_pv and (pv != "fp8" or schedule in ("seesaw", "swap_ab")):

@@ -35,6 +35,9 @@ On ``pv="f16"`` (GPU interpret mode only: its f16 V halves do not fit a Hopper's
 the V halves go into per-slot buffers, built under the QK. A slot is released by both
 warpgroups' ``P V`` of its page; the other warpgroup, whose ``P V`` of the page comes last
 (in its next step), waits for the release and copies page ``t + stages`` into the slot.
+With ``TuningConfig.multicast`` the CTAs of a sequence's two row tiles form a cluster: each
+copies half of every page into both rings (the L2 -> SM traffic halves, the default
+schedule's floor at 128 heads), and a slot is refilled once both CTAs released it.
 
 ``P_q`` and the combined state of step ``s`` live in buffer ``s % 4``, written by the
 owner; the other warpgroup's ``P_q V`` of step ``s`` releases them (``p_free``). At step
@@ -74,9 +77,9 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             state_smem, lse_smem,                                # SMEM
             q_bar, kv_ready, kv_free, state_ready, p_ready, p_free,  # barriers
             *, s_q: int, heads: int, scale_log2: float, causal: bool, stages: int,
-            pv_impl: PvImpl, in_place: bool):
-  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(ranges_ref,
-                                                                             lens_ref)
+            pv_impl: PvImpl, in_place: bool, pair_axis: str | None):
+  row_tile, split, b, first_page, num_steps, seq_len, rows = common.cta_work(
+      ranges_ref, lens_ref, pair_axis)
   wg = lax.axis_index("wg")
   if pv_impl == "fp8":  # the ring's content halves and, in the same bytes, their V^T
     (kc_smem, kc16_smem, v_smem, v16_smem), (p_smem, p16_smem) = kc_smem, p_smem
@@ -92,9 +95,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
     page = bt_ref[b, first_page + step]
     for h in _CONTENT_HALVES:
       plgpu.copy_gmem_to_smem(content_ref.at[page, :, pl.ds(h * HALF_DIM, HALF_DIM)],
-                              kc_smem.at[slot * 2 + h], kv_bar(step, h))
-    plgpu.copy_gmem_to_smem(scale_ref.at[page], ks_smem.at[slot], kv_bar(step, _SCALE))
-    plgpu.copy_gmem_to_smem(rope_ref.at[page], kr_smem.at[slot], kv_bar(step, _ROPE))
+                              kc_smem.at[slot * 2 + h], kv_bar(step, h),
+                              collective_axes=pair_axis)
+    plgpu.copy_gmem_to_smem(scale_ref.at[page], ks_smem.at[slot], kv_bar(step, _SCALE),
+                            collective_axes=pair_axis)
+    plgpu.copy_gmem_to_smem(rope_ref.at[page], kr_smem.at[slot], kv_bar(step, _ROPE),
+                            collective_axes=pair_axis)
 
   def load_rows(ref):
     return plgpu.load(ref, layout=row_layout)
@@ -301,12 +307,15 @@ def ring_smem(pv_impl: PvImpl, stages: int):
 
 
 def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: PvImpl,
-           in_place: bool, stages: int | None = None):
+           in_place: bool, stages: int | None = None, pair_axis: str | None = None):
   """The kernel, its scratch and its warpgroup count, for ``mla_decode_fp8._decode``
-  (``stages``: even, ``STAGES`` if None)."""
+  (``stages``: even, ``STAGES`` if None). ``pair_axis``: the cluster axis of two CTAs
+  (consecutive row tiles) that share every page: each copies half of it into both rings,
+  and a slot is refilled once both warpgroups of both CTAs released it."""
   stages = stages or STAGES
   kernel = functools.partial(_kernel, s_q=s_q, heads=heads, scale_log2=scale_log2,
-                             causal=causal, stages=stages, pv_impl=pv_impl, in_place=in_place)
+                             causal=causal, stages=stages, pv_impl=pv_impl, in_place=in_place,
+                             pair_axis=pair_axis)
   content, scales, rope, v = ring_smem(pv_impl, stages)
   scratch = [
       *query_smem(),
@@ -317,7 +326,7 @@ def launch(*, s_q: int, heads: int, scale_log2: float, causal: bool, pv_impl: Pv
       plgpu.SMEM((QUERY_TILE,), jnp.float32),
       plgpu.Barrier(num_barriers=3),
       plgpu.Barrier(num_barriers=COPIES * stages),
-      plgpu.Barrier(num_arrivals=NUM_WARPGROUPS, num_barriers=stages),  # both P Vs done
+      common.release_barriers(NUM_WARPGROUPS, stages, pair_axis),  # both P Vs done
       plgpu.Barrier(num_barriers=BUFFERS),
       plgpu.Barrier(num_barriers=BUFFERS),
       plgpu.Barrier(num_barriers=BUFFERS),
