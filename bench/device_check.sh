@@ -12,6 +12,8 @@
 #                                       default rows and e2e at 16k/64k, for RESULTS' summary)
 #   bash bench/device_check.sh seesaw   (~7 min: the seesaw's multicast GPU tests, then it timed,
 #                                       alone and multicast, next to the defaults at 128 and 16 heads)
+#   bash bench/device_check.sh seesaw_parts  (~9.5 min: the seesaw's ablations at b32 h128, then
+#                                       e2e at 16 heads, 64k and 128k)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +63,11 @@ case $what in
     timeout 170 bash "$0" tests tests/test_pallas_fp8.py -k "multicast and seesaw"; status=$?
     timeout 240 bash "$0" bench --only bf16,fp8-fp8,fp8-seesaw,fp8-seesaw-multicast \
       --shapes 32,128,1,16384 128,16,1,16384 ;;
+  seesaw_parts)  # where the seesaw's page-step goes (its coupling, its Q), then issue 5's
+                 # paper-figure-1 shape (TP 8: 16 heads a GPU, where the FP8 kernel is HBM-bound)
+    timeout 330 bash "$0" ablate --kernel seesaw --shapes 32,128,1,16384 \
+      --only no_state_wait,no_p_wait,decoupled,q_in_registers,pv_idle,no_vt_build,no_softmax
+    timeout 230 bash "$0" e2e --heads 16 --cache-gib 20 --contexts 65536 131072 --steps 5 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
       tests/test_pallas_tokens.py tests/test_decode.py tests/test_sharding.py; status=$?
