@@ -239,12 +239,23 @@ def transpose_v_half(page16_smem, vt16_smem, half: int, first_token, seq_len, ma
 
   if in_place:
     rows = [load(chunk) for chunk in range(2)]
-    plgpu.commit_smem()
+    warpgroup_barrier()
     for chunk, (lo_rows, hi_rows) in enumerate(rows):
       store(chunk, lo_rows, hi_rows)
   else:
     for chunk in range(2):
       store(chunk, *load(chunk))
+
+
+def warpgroup_barrier() -> None:
+  """``bar.sync`` of the calling warpgroup's 128 threads, which orders their generic SMEM
+  accesses. ``plgpu.commit_smem`` adds the async-proxy fence that TMA and wgmma readers
+  need, a ``MEMBAR.ALL.CTA`` that waits for every access the thread has in flight."""
+  @plgpu.inline_mgpu()
+  def sync(_):
+    mgpu_utils.warpgroup_barrier()
+
+  sync()
 
 
 def permute_bytes(a, b, selector: int):

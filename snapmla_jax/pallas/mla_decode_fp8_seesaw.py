@@ -202,7 +202,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
             m_prev, l_prev, sigma_prev, m_loc, l_loc, p_max, q_scale)
         for row, value in ((_M, m_new), (_L, l_new), (_SIGMA, sigma), (_GAMMA, gamma)):
           state_smem.at[buf, row][...] = value
-        plgpu.commit_smem()
+        # No commit_smem: plain loads read the state, and each thread's arrival releases
+        # its own stores (mbarrier.arrive.release; the wait acquires).
         plgpu.barrier_arrive(state_ready.at[buf])
 
       with jax.named_scope("quantize_p"):
