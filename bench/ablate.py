@@ -277,6 +277,19 @@ SEESAW_ABLATIONS = {
         ("    @pl.when(others_last)\n    def _():\n"
          "      plgpu.barrier_wait(state_ready.at[last_buf])\n", "")],
     "no_p_wait": [("      plgpu.barrier_wait(p_ready.at[buf])\n", "")],
+    # The warpgroups in antiphase: page s's QK waits for the other warpgroup's P_q of page
+    # s - 1 (its whole front: QK, softmax, combine, V^T), so that one warpgroup's front
+    # runs under the other's P V instead of both fronts at once (nothing else keeps them
+    # apart: the page-local softmax lets both start a page together).
+    "anti_phase": [
+        ("      plgpu.barrier_wait(p_ready.at[buf])\n", ""),
+        ("      def qk(s_ref):\n",
+         "      @pl.when(step >= 1)\n      def _():\n"
+         "        plgpu.barrier_wait(p_ready.at[lax.rem(step - 1, BUFFERS)])\n\n"
+         "      def qk(s_ref):\n"),
+        ("      plgpu.barrier_wait(state_ready.at[last_buf])\n",
+         "      plgpu.barrier_wait(state_ready.at[last_buf])\n"
+         "      plgpu.barrier_wait(p_ready.at[last_buf])\n")],
     # QK's A operand from registers, as the default kernel (-6.5% there); offline ptxas:
     # 172 B of spills (43 STL + 43 LDL) against none
     "q_in_registers": [
