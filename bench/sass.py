@@ -2,9 +2,10 @@
 
 Compiles each kernel once (one small shape) with Mosaic GPU's dump switches on, keeps the
 dumps under ``--out`` and prints, per kernel, the registers / spills / stack that ptxas
-reports and the count of the SASS opcodes that matter for this kernel (tensor-core ops,
+reports, the count of the SASS opcodes that matter for this kernel (tensor-core ops,
 shared-memory traffic, local memory = spills, conversions, special functions, shuffles,
-barriers). The SASS comes from the cubin in Mosaic's MLIR dump, through ``cuobjdump``
+barriers) and, for each loop of 100 instructions or more (the page loops), the instructions
+a warp issues per iteration. The SASS comes from the cubin in Mosaic's MLIR dump, through ``cuobjdump``
 (found on PATH or under /usr/local/cuda*/bin; the H200 image has it).
 
   python bench/sass.py --out DIR [--batch 8 --heads 128 --context 2048] [--only fp8-fp8,...]
@@ -115,13 +116,40 @@ def disassemble(cubin_path: str) -> str:
   return subprocess.run([tool, "--dump-sass", cubin_path], capture_output=True, text=True).stdout
 
 
-def opcode_histogram(sass: str) -> collections.Counter:
-  counts = collections.Counter()
+_INSTRUCTION = re.compile(r"\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)"
+                          r"(?:\.[A-Z0-9_.]+)?(?:\s+0x([0-9a-f]+))?")
+LOOP_WATCH = ("QGMMA", "HGMMA", "MUFU", "SHFL", "LDL", "STL", "SYNCS", "BAR", "MEMBAR")
+
+
+def instructions(sass: str) -> list[tuple[int, str, int | None]]:
+  """``(address, opcode, target)`` of each SASS instruction; ``target``: a predicated
+  branch's (a loop's back edge, or a barrier wait's retry), else None."""
+  out = []
   for line in sass.splitlines():
-    m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?", line)
+    m = _INSTRUCTION.match(line)
     if m:
-      counts[m.group(1)] += 1
-  return counts
+      predicated, op, target = m.group(2), m.group(3), m.group(4)
+      out.append((int(m.group(1), 16), op,
+                   int(target, 16) if op == "BRA" and predicated and target else None))
+  return out
+
+
+def opcode_histogram(sass: str) -> collections.Counter:
+  return collections.Counter(op for _, op, _ in instructions(sass))
+
+
+def loops(sass: str, min_size: int = 100) -> list[tuple[int, int, collections.Counter]]:
+  """The bodies of predicated backward branches of at least ``min_size`` instructions
+  (the kernels' page loops; the out-of-line barrier-wait retries jump back unpredicated):
+  ``(first address, branch address, opcode counts)``, in address order."""
+  code = instructions(sass)
+  bodies = []
+  for address, op, target in code:
+    if target is not None and target < address:
+      counts = collections.Counter(o for a, o, _ in code if target <= a <= address)
+      if sum(counts.values()) >= min_size:
+        bodies.append((target, address, counts))
+  return sorted(bodies)
 
 
 def main():
@@ -194,6 +222,9 @@ def main():
     counts = opcode_histogram(sass)
     rows.append((name, counts))
     print("  total SASS instructions:", sum(counts.values()))
+    for first, last, body in loops(sass):  # instructions per iteration, per warp
+      watched = ", ".join(f"{op} {body[op]}" for op in LOOP_WATCH)
+      print(f"  loop {first:#x}-{last:#x}: {sum(body.values())} instructions ({watched})")
   print("\n| opcode | " + " | ".join(n for n, _ in rows) + " |")
   print("|---|" + "---|" * len(rows))
   for op in WATCH:

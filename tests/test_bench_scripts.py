@@ -24,6 +24,22 @@ def test_data_path_small_run(tmp_path, capsys):
     assert op in table
 
 
+def test_sass_loops_are_predicated_back_edges():
+  """``bench/sass.py`` counts a page loop's body; a barrier wait's out-of-line retry (an
+  unpredicated jump back) is no loop."""
+  from bench import sass
+  body = "".join(f"        /*{0x100 + 16 * i:04x}*/                   FMUL R1, R2, R3 ;\n"
+                 for i in range(120))
+  text = ("        /*0100*/                   MEMBAR.ALL.CTA ;\n" + body[body.index("\n") + 1:]
+          + "        /*0880*/              @P1 BRA 0x100 ;\n"
+          + "        /*0890*/                   EXIT ;\n"
+          + "        /*08a0*/                   BRA 0x200 ;\n")
+  [(first, last, counts)] = sass.loops(text)
+  assert (first, last) == (0x100, 0x880)
+  assert counts["FMUL"] == 119 and counts["MEMBAR"] == 1 and counts["BRA"] == 1
+  assert sass.opcode_histogram(text)["BRA"] == 2
+
+
 def test_every_kernel_ablation_still_applies():
   """bench/ablate.py edits the kernels' source by exact strings: each must match once."""
   from bench import ablate
