@@ -261,7 +261,7 @@ SEESAW_ABLATIONS = {
         "                                  p_smem.at[buf], v_operand(step, half), in_place=in_place)\n",
         "      return acc * common.row_broadcast(gamma, acc.shape)\n")],
     "no_vt_build": [(
-        '      if pv_impl == "fp8":\n        with jax.named_scope("prepare_v"):\n'
+        '      if pv_impl == "fp8" and not SPLIT_VT:\n        with jax.named_scope("prepare_v"):\n'
         '          prepare_v(step, masked)\n', "")],
     "no_softmax": [(  # P' = S, the rows' state constant (the combine stays)
         "        m_loc, l_loc, p_fused, p_max = page_local_softmax(scores, k_scale, q_scale, visible)\n",
@@ -276,20 +276,9 @@ SEESAW_ABLATIONS = {
          "          plgpu.barrier_wait(state_ready.at[prev])\n", ""),
         ("    @pl.when(others_last)\n    def _():\n"
          "      plgpu.barrier_wait(state_ready.at[last_buf])\n", "")],
-    "no_p_wait": [("      plgpu.barrier_wait(p_ready.at[buf])\n", "")],
-    # The warpgroups in antiphase: page s's QK waits for the other warpgroup's P_q of page
-    # s - 1 (its whole front: QK, softmax, combine, V^T), so that one warpgroup's front
-    # runs under the other's P V instead of both fronts at once (nothing else keeps them
-    # apart: the page-local softmax lets both start a page together).
-    "anti_phase": [
-        ("      plgpu.barrier_wait(p_ready.at[buf])\n", ""),
-        ("      def qk(s_ref):\n",
-         "      @pl.when(step >= 1)\n      def _():\n"
-         "        plgpu.barrier_wait(p_ready.at[lax.rem(step - 1, BUFFERS)])\n\n"
-         "      def qk(s_ref):\n"),
-        ("      plgpu.barrier_wait(state_ready.at[last_buf])\n",
-         "      plgpu.barrier_wait(state_ready.at[last_buf])\n"
-         "      plgpu.barrier_wait(p_ready.at[last_buf])\n")],
+    "no_p_wait": [("      if not p_waited:\n        plgpu.barrier_wait(p_ready.at[buf])\n", "")],
+    "anti_phase": [("ANTI_PHASE = False", "ANTI_PHASE = True")],  # the module's switches
+    "split_vt": [("SPLIT_VT = False", "SPLIT_VT = True")],
     # QK's A operand from registers, as the default kernel (-6.5% there); offline ptxas:
     # 172 B of spills (43 STL + 43 LDL) against none
     "q_in_registers": [
@@ -302,6 +291,8 @@ SEESAW_ABLATIONS = {
 }
 SEESAW_ABLATIONS["pv_idle"] = SEESAW_ABLATIONS["no_pv"] + SEESAW_ABLATIONS["no_vt_build"]
 SEESAW_ABLATIONS["decoupled"] = SEESAW_ABLATIONS["no_state_wait"] + SEESAW_ABLATIONS["no_p_wait"]
+SEESAW_ABLATIONS["split_vt_anti_phase"] = (SEESAW_ABLATIONS["split_vt"]
+                                           + SEESAW_ABLATIONS["anti_phase"])
 KERNELS = {"fp8": (mla_decode_fp8, ABLATIONS), "bf16": (mla_decode_bf16, BF16_ABLATIONS),
            "swap_ab": (mla_decode_fp8_swap_ab, SWAP_AB_ABLATIONS),
            "seesaw": (mla_decode_fp8_seesaw, SEESAW_ABLATIONS)}

@@ -120,6 +120,22 @@ def test_interpret_swap_ab_two_pages_a_step(seq_lens, s_q, splits, monkeypatch):
   jax.clear_caches()
 
 
+@pytest.mark.timeout(200)
+def test_interpret_seesaw_switches(monkeypatch):
+  """The seesaw's untimed schedules (``ANTI_PHASE`` and ``SPLIT_VT``, together: every path
+  of each): partial pages with NaN tails (the other's page's V masked by the warpgroup
+  that builds it), both rings, splits."""
+  from snapmla_jax.pallas import mla_decode_fp8_seesaw
+  monkeypatch.setattr(mla_decode_fp8_seesaw, "ANTI_PHASE", True)
+  monkeypatch.setattr(mla_decode_fp8_seesaw, "SPLIT_VT", True)
+  jax.clear_caches()  # no trace of the defaults
+  case = make_case(3, [5 * 64 + 10, 130, 64], s_q=2, heads=16, kinds=("fp8",))
+  for stages, splits in ((2, None), (4, 2)):
+    run_and_check(case, s_q=2, config=TuningConfig(num_stages=stages, num_splits=splits),
+                  schedule="seesaw", interpret=True)
+  jax.clear_caches()
+
+
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
   """``testing.make_poisoned_case``: only the sequence holding the inf goes NaN, never a
   silent value; the cache's NaN-poisoned free slots stay out."""
