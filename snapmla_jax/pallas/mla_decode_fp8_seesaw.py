@@ -62,6 +62,14 @@ from snapmla_jax.pallas.mla_decode_fp8 import (_FP8, _U16, PvImpl, combine_page_
                                                query_smem, store_p_tile, transpose_v_half)
 
 NUM_WARPGROUPS = 2
+# Two schedules under test (off: not yet timed; bench/ablate.py flips them, RESULTS.md,
+# nineteenth session). ANTI_PHASE: page s's QK waits for the other warpgroup's P_q of page
+# s - 1, so that one warpgroup's front (QK, softmax, P_q) runs under the other's P V rather
+# than both fronts at once (the page-local softmax lets both start a page together).
+# SPLIT_VT: each warpgroup builds its own half of every page's V (of the other's pages in
+# its P V phase), so the owner hands P_q off before building any V.
+ANTI_PHASE = False
+SPLIT_VT = False
 STAGES = 4   # the ring's default depth (even: slot k holds warpgroup k % 2's pages only)
 BUFFERS = 4  # P_q and combined state of step s in buffer s % 4 (owner s % 2)
 _M, _L, _SIGMA, _GAMMA = range(4)  # rows of a state buffer
@@ -113,12 +121,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return v_smem[h].at[slot]
     return v_smem.at[slot * 2 + h].T
 
-  def prepare_v(step, masked: bool):
-    """Both halves of page ``step``'s V: f16 into the slot's V buffers (under the QK), or
-    V^T in place of the content (after it)."""
+  def prepare_v(step, masked: bool, halves=_CONTENT_HALVES):
+    """Halves ``halves`` of page ``step``'s V: f16 into the slot's V buffers (under the
+    QK), or V^T in place of the content (after it)."""
     slot = lax.rem(step, stages)
     first_token = (first_page + step) * PAGE_SIZE
-    for h in _CONTENT_HALVES:
+    for h in halves:
       if pv_impl == "f16":
         dequantize_v_half(kc_smem.at[slot * 2 + h], v_smem[h].at[slot], 0, first_token,
                           seq_len, masked)
@@ -136,11 +144,27 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       return common.accumulate_pv(acc * common.row_broadcast(gamma, acc.shape),
                                   p_smem.at[buf], v_operand(step, half), in_place=in_place)
 
-    def accumulate_others(step, acc):
+    def prepare_others_half(step):
+      """``SPLIT_VT``: this warpgroup's half of the other's page ``step``'s V, once the
+      page's QK is done (its ``P_q`` is out)."""
+      first_token = (first_page + step) * PAGE_SIZE
+      plgpu.barrier_wait(kv_bar(step, half))
+      for masked in (False, True):  # only a partial page is masked
+        @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
+        def _():
+          prepare_v(step, masked, (half,))
+      plgpu.commit_smem()
+
+    def accumulate_others(step, acc, p_waited: bool = False):
       """``accumulate`` of the other warpgroup's page ``step``, the last use of its slot:
-      then page ``step + stages`` into it, once the owner released it too."""
+      then page ``step + stages`` into it, once the owner released it too.
+      ``p_waited``: this warpgroup already waited for the page's ``P_q``."""
       buf, slot = lax.rem(step, BUFFERS), lax.rem(step, stages)
-      plgpu.barrier_wait(p_ready.at[buf])
+      if not p_waited:
+        plgpu.barrier_wait(p_ready.at[buf])
+      if SPLIT_VT:
+        with jax.named_scope("prepare_v"):
+          prepare_others_half(step)
       acc = accumulate(step, acc)
       plgpu.barrier_arrive(p_free.at[buf])
       with jax.named_scope("refill"):
@@ -159,6 +183,12 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       slot, buf = lax.rem(step, stages), lax.rem(step, BUFFERS)
       first_token = (first_page + step) * PAGE_SIZE
 
+      if ANTI_PHASE:
+        @pl.when(step >= 1)
+        @jax.named_scope("wait_p")
+        def _():
+          plgpu.barrier_wait(p_ready.at[lax.rem(step - 1, BUFFERS)])
+
       def qk(s_ref):
         with jax.named_scope("wait_kv"):
           for which in (*_CONTENT_HALVES, _ROPE):
@@ -171,7 +201,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout)
         if pv_impl == "f16":
           with jax.named_scope("prepare_v"):
-            prepare_v(step, masked)
+            prepare_v(step, masked, (half,) if SPLIT_VT else _CONTENT_HALVES)
         with jax.named_scope("wait_qk"):
           return s_ref[...], k_scale
 
@@ -210,18 +240,22 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
         inv = jnp.where(p_max > 0, beta / sigma, 0.0)
         p_q = (p_fused * common.row_broadcast(inv, p_fused.shape)).astype(_FP8)
         store_p_tile(p_q, p_smem.at[buf] if pv_impl == "f16" else p16_smem.at[buf], pv_impl)
-      if pv_impl == "fp8":
+      if pv_impl == "fp8" and not SPLIT_VT:
         with jax.named_scope("prepare_v"):
           prepare_v(step, masked)
       plgpu.commit_smem()
       plgpu.barrier_arrive(p_ready.at[buf])
+      if pv_impl == "fp8" and SPLIT_VT:
+        with jax.named_scope("prepare_v"):
+          prepare_v(step, masked, (half,))
+          plgpu.commit_smem()
 
       with jax.named_scope("pv"):
+        others = functools.partial(accumulate_others, step - 1, p_waited=ANTI_PHASE)
         if half == 0:  # step 0 has no page before it
-          acc = lax.cond(step >= 1, functools.partial(accumulate_others, step - 1),
-                         lambda acc: acc, acc)
+          acc = lax.cond(step >= 1, others, lambda acc: acc, acc)
         else:
-          acc = accumulate_others(step - 1, acc)
+          acc = others(acc)
         acc = accumulate(step, acc)
       plgpu.barrier_arrive(kv_free.at[slot])
       return acc
