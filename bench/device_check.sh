@@ -66,10 +66,11 @@ case $what in
       || status=1
     timeout 240 bash "$0" bench --only bf16,fp8-fp8,fp8-seesaw,fp8-seesaw-multicast \
       --shapes 32,128,1,16384 128,16,1,16384 ;;
-  seesaw_parts)  # where the seesaw's page-step goes (its coupling, its Q), then issue 5's
+  seesaw_parts)  # the seesaw's switches and where its page-step goes (coupling, Q; the most
+                 # telling first: a row prints as it is timed), then issue 5's
                  # paper-figure-1 shape (TP 8: 16 heads a GPU, where the FP8 kernel is HBM-bound)
     timeout 330 bash "$0" ablate --kernel seesaw --shapes 32,128,1,16384 \
-      --only no_state_wait,no_p_wait,decoupled,anti_phase,split_vt,split_vt_anti_phase,q_in_registers,pv_idle,no_vt_build,no_softmax
+      --only anti_phase,split_vt_anti_phase,decoupled,split_vt,no_p_wait,no_state_wait,q_in_registers,pv_idle,no_vt_build,no_softmax
     timeout 230 bash "$0" e2e --heads 16 --cache-gib 20 --contexts 65536 131072 --steps 5 ;;
   verify)  # each part under its own limit, so that a slow one cannot eat the others
     timeout 300 bash "$0" tests tests/test_quant.py tests/test_reference.py \
