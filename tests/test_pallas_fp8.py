@@ -120,20 +120,25 @@ def test_interpret_swap_ab_two_pages_a_step(seq_lens, s_q, splits, monkeypatch):
   jax.clear_caches()
 
 
-@pytest.mark.timeout(200)
-def test_interpret_seesaw_switches(monkeypatch):
-  """The seesaw's untimed schedules (``ANTI_PHASE`` and ``SPLIT_VT``, together: every path
-  of each): partial pages with NaN tails (the other's page's V masked by the warpgroup
-  that builds it), both rings, splits."""
+def check_seesaw_switches(monkeypatch, pv, interpret, **switches):
+  """The seesaw's untimed schedules (``ANTI_PHASE``, ``SPLIT_VT``) on partial pages with
+  NaN tails (the other's page's V masked by the warpgroup that builds it), both rings,
+  splits."""
   from snapmla_jax.pallas import mla_decode_fp8_seesaw
-  monkeypatch.setattr(mla_decode_fp8_seesaw, "ANTI_PHASE", True)
-  monkeypatch.setattr(mla_decode_fp8_seesaw, "SPLIT_VT", True)
+  for name, value in switches.items():
+    monkeypatch.setattr(mla_decode_fp8_seesaw, name, value)
   jax.clear_caches()  # no trace of the defaults
   case = make_case(3, [5 * 64 + 10, 130, 64], s_q=2, heads=16, kinds=("fp8",))
   for stages, splits in ((2, None), (4, 2)):
-    run_and_check(case, s_q=2, config=TuningConfig(num_stages=stages, num_splits=splits),
-                  schedule="seesaw", interpret=True)
+    err, lerr, _ = run_and_check(case, s_q=2, pv=pv, schedule="seesaw", interpret=interpret,
+                                 config=TuningConfig(num_stages=stages, num_splits=splits))
+    print(f"seesaw {switches} stages={stages}: rel_l2={err:.2e} lse_err={lerr:.2e}")
   jax.clear_caches()
+
+
+@pytest.mark.timeout(200)
+def test_interpret_seesaw_switches(monkeypatch):  # both on: every path of each
+  check_seesaw_switches(monkeypatch, "f16", True, ANTI_PHASE=True, SPLIT_VT=True)
 
 
 def check_non_finite_token_poisons_its_sequence(pv, schedule, interpret):
@@ -380,6 +385,12 @@ def test_gpu_multicast(batch, s_q, heads, seq_lens, schedule):
     err, lerr, _ = run_and_check(case, s_q=s_q, pv="fp8", schedule=schedule, config=config)
     print(f"fp8-fp8-{schedule}-multicast b={batch} s_q={s_q} h={heads} splits={splits} "
           f"overlap_pv={overlap_pv}: rel_l2={err:.2e} lse_err={lerr:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("anti_phase,split_vt", [(True, False), (False, True), (True, True)])
+def test_gpu_seesaw_switches(anti_phase, split_vt, monkeypatch):
+  check_seesaw_switches(monkeypatch, "fp8", False, ANTI_PHASE=anti_phase, SPLIT_VT=split_vt)
 
 
 @pytest.mark.gpu
