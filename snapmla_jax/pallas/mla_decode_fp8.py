@@ -187,6 +187,16 @@ def observe_p_releases(p_free, p_buffers: int, num_steps, owns=None) -> None:
       plgpu.barrier_wait(p_free.at[lax.rem(step, p_buffers)])
 
 
+def masked_if_partial(first_token, seq_len, build) -> None:
+  """Runs ``build(masked)`` (traced twice, run once) for the page whose first token is
+  ``first_token``: ``masked=True`` only if it holds tokens ``>= seq_len`` (a sequence's
+  partial last page, whose tail may be NaN), so full pages skip the masks."""
+  for masked in (False, True):
+    @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
+    def _():
+      build(masked)
+
+
 def dequantize_v_half(page_smem, v_smem, half: int, first_token, seq_len, masked: bool):
   """``v_smem = f16(page[:, half])``: one half of a page's V, exactly, for ``pv="f16"``.
 
@@ -712,10 +722,8 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       with jax.named_scope("wait_kv"):
         plgpu.barrier_wait(kv_bar(step, _CONTENT))
       with jax.named_scope("prepare_v"):
-        for masked in (False, True):  # only a partial page is masked
-          @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
-          def _():
-            prepare(slot, half, first_token, masked, *parity)
+        masked_if_partial(first_token, seq_len,
+                          lambda masked: prepare(slot, half, first_token, masked, *parity))
         plgpu.commit_smem()
       release_slot(kv_free, step, slot, num_stages, num_steps, refill)
 

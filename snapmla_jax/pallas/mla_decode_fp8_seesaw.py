@@ -58,8 +58,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from snapmla_jax.pallas import common
 from snapmla_jax.pallas.common import HALF_DIM, PAGE_SIZE, QUERY_TILE, ROPE_DIM
 from snapmla_jax.pallas.mla_decode_fp8 import (_FP8, _U16, PvImpl, combine_page_state,
-                                               dequantize_v_half, p_buffer_smem, page_local_softmax,
-                                               query_smem, store_p_tile, transpose_v_half)
+                                               dequantize_v_half, masked_if_partial,
+                                               p_buffer_smem, page_local_softmax, query_smem,
+                                               store_p_tile, transpose_v_half)
 
 NUM_WARPGROUPS = 2
 # Two schedules under test (off: not yet timed; bench/ablate.py flips them, RESULTS.md,
@@ -149,10 +150,7 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       page's QK is done (its ``P_q`` is out)."""
       first_token = (first_page + step) * PAGE_SIZE
       plgpu.barrier_wait(kv_bar(step, half))
-      for masked in (False, True):  # only a partial page is masked
-        @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
-        def _():
-          prepare_v(step, masked, (half,))
+      masked_if_partial(first_token, seq_len, lambda masked: prepare_v(step, masked, (half,)))
       plgpu.commit_smem()
 
     def accumulate_others(step, acc, p_waited: bool = False):

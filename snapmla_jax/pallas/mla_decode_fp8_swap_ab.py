@@ -61,7 +61,8 @@ from snapmla_jax.pallas.common import (CONTENT_DIM, HALF_DIM, PAGE_SIZE, QUERY_T
 from snapmla_jax.pallas.mla_decode_fp8 import (_CONTENT, _FP8, _ROPE, _SCALE, _U16,
                                                NUM_PV_WGS, PvImpl, as_u16_pair,
                                                dequantize_v_half, fill_ring, finish_rows,
-                                               issue_page_copies, observe_p_releases,
+                                               issue_page_copies, masked_if_partial,
+                                               observe_p_releases,
                                                observe_ring_releases, prmt, release_slot)
 
 SMEM_BYTES = 226 * 1024   # of the 227 KB: the rest for the barriers
@@ -391,15 +392,15 @@ def _kernel(qc_ref, qs_ref, qr_ref, content_ref, scale_ref, rope_ref, bt_ref, ra
       slot = lax.rem(step, num_stages)
       first_token = (first_page + step) * PAGE_SIZE
       plgpu.barrier_wait(kv_bar(step, _CONTENT))
-      for masked in (False, True):  # only a partial page is masked
-        @pl.when((first_token + PAGE_SIZE > seq_len) == masked)
-        def _():
-          if pv_impl == "f16":
-            dequantize_v_half(kc_smem.at[slot], v_smem[half].at[parity], half, first_token,
-                              seq_len, masked)
-          else:
-            transpose_v_half(kc16_smem.at[slot], vt16_smem[half].at[parity], half,
-                             first_token, seq_len, masked)
+
+      def build(masked):
+        if pv_impl == "f16":
+          dequantize_v_half(kc_smem.at[slot], v_smem[half].at[parity], half, first_token,
+                            seq_len, masked)
+        else:
+          transpose_v_half(kc16_smem.at[slot], vt16_smem[half].at[parity], half,
+                           first_token, seq_len, masked)
+      masked_if_partial(first_token, seq_len, build)
       plgpu.commit_smem()
       release(step, slot)
 
