@@ -2,9 +2,12 @@
 
 Runs each kernel once with ``SNAPMLA_PROFILE_DIR`` set, so that every warpgroup records
 the ``jax.named_scope`` regions of its loop (``wait_kv``, ``softmax``, ``pv``, ...; the
-first 256 per warpgroup, enough for the default 32 page-steps per CTA: the trace buffer is
-in SMEM), and prints, per kernel and warpgroup, the mean time per CTA in each region and its share
-of the CTA's span. Differential timing without hardware counters (METHOD.md).
+first ``PROFILE_SPACE`` per warpgroup, 256 in most kernels, enough for the default 32
+page-steps per CTA; 96 in the seesaw, ~20 pages: the trace buffer is in SMEM), and prints,
+per kernel and warpgroup, the mean time per CTA in each region, how often it ran and its
+time per occurrence. Differential timing without hardware counters (METHOD.md).
+
+  python bench/profile_kernel.py --impls fp8-fp8,fp8-seesaw --out DIR
 
   python bench/profile_kernel.py [--batch 32 --heads 128 --context 4096] --out DIR
   python bench/profile_kernel.py --variants base,pv_wgs_idle,idle_qk_twice --out DIR
@@ -26,13 +29,16 @@ import jax
 
 
 def summarize(trace_path: str, num_wgs: int = 3):
-  """``{(warpgroup, region): mean us per CTA}`` and the mean CTA span in us."""
+  """``{(warpgroup, region): (mean us per CTA, mean occurrences per CTA)}`` and the longest
+  CTA span in us (of the recorded regions: a kernel's ``PROFILE_SPACE`` may cut the trace,
+  so that the time per occurrence is what compares across kernels)."""
   with open(trace_path) as f:
     events = json.load(f)["traceEvents"]
   per_trace = collections.defaultdict(list)
   for event in events:
     per_trace[event["tid"]].append(event)
   totals = collections.defaultdict(float)
+  counts = collections.Counter()
   spans = []
   for tid, trace in per_trace.items():
     wg = (tid - 1) % num_wgs
@@ -43,9 +49,10 @@ def summarize(trace_path: str, num_wgs: int = 3):
       else:
         begin = stack.pop()
         totals[(wg, begin["name"])] += event["ts"] - begin["ts"]
+        counts[(wg, begin["name"])] += 1
     spans.append(trace[-1]["ts"] - trace[0]["ts"])
   num_ctas = len(per_trace) / num_wgs
-  return {k: v / num_ctas for k, v in totals.items()}, max(spans)
+  return {k: (v / num_ctas, counts[k] / num_ctas) for k, v in totals.items()}, max(spans)
 
 
 def ablated(name: str, config):
@@ -92,8 +99,9 @@ def main():
     regions, span = summarize(trace, num_wgs=2 if "seesaw" in name else 3)
     print(f"\n{name}: b{args.batch} h{args.heads} {args.context} tokens, {steps:.0f} "
           f"page-steps per CTA, longest CTA {span:.1f} us ({span / steps:.3f} us per step)")
-    for (wg, region), us in sorted(regions.items()):
-      print(f"  wg{wg} {region:<12} {us:8.1f} us/CTA {us / steps:7.3f} us/step")
+    for (wg, region), (us, count) in sorted(regions.items()):
+      print(f"  wg{wg} {region:<12} {us:8.1f} us/CTA {us / steps:7.3f} us/step "
+            f"{count:6.1f} times/CTA {us / count:7.3f} us each")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Benchmark scripts run end to end on CPU at small shapes (their figures come from the H200)."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -98,3 +99,23 @@ def test_profile_variants_lower_for_cuda(monkeypatch):
   f = profile_kernel.ablated("idle_qk_twice", common.TuningConfig())
   hlo = jax.jit(f).trace(q, r, caches["fp8"], bt, sl).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in hlo.as_text()
+
+
+def test_profile_summary_counts_regions(tmp_path):
+  """Per (warpgroup, region): mean time per CTA and occurrences per CTA (a trace cut by
+  the kernel's ``PROFILE_SPACE`` still gives each occurrence's time)."""
+  from bench import profile_kernel
+
+  def region(tid, name, begin, end):
+    return [{"tid": tid, "name": name, "ph": "B", "ts": begin},
+            {"tid": tid, "name": name, "ph": "E", "ts": end}]
+
+  events = []
+  for cta in range(2):  # two warpgroups a CTA: tids 1 + 2 cta + wg
+    events += region(1 + 2 * cta, "softmax", 0, 2) + region(1 + 2 * cta, "softmax", 5, 9)
+    events += region(2 + 2 * cta, "pv", 1, 4)
+  path = tmp_path / "trace.json"
+  path.write_text(json.dumps({"traceEvents": events}))
+  regions, span = profile_kernel.summarize(str(path), num_wgs=2)
+  assert regions == {(0, "softmax"): (6.0, 2.0), (1, "pv"): (3.0, 1.0)}
+  assert span == 9

@@ -356,21 +356,27 @@ PROFILE_DIR_ENV = "SNAPMLA_PROFILE_DIR"
 (the ``jax.named_scope`` regions of each warpgroup, ``bench/profile_kernel.py``)."""
 
 
-def compiler_params(auto_barriers: bool = True, reduction_scratch_bytes: int = 0):
+PROFILE_SPACE = 256
+"""Regions each warpgroup records in the in-kernel trace (16 B each, in SMEM: 12 KB for
+three warpgroups; the FP8 kernel takes ~207 KB with V^T ahead, 212 KB in order with 4
+stages; 512 did not fit). Events past it are dropped."""
+
+
+def compiler_params(auto_barriers: bool = True, reduction_scratch_bytes: int = 0,
+                    profile_space: int = PROFILE_SPACE):
   """Mosaic GPU's compiler parameters for the decode kernels.
 
   ``auto_barriers=False`` drops the warpgroup barriers Mosaic puts around SMEM loads and
   stores (``unsafe_no_auto_barriers``): only for a kernel where no thread reads SMEM it
   writes, and every SMEM hand-off goes through ``commit_smem`` (which has its own barrier)
   or an mbarrier. ``reduction_scratch_bytes``: SMEM for reductions across the warps of a
-  warpgroup (none where row reductions stay inside a warp's quad).
+  warpgroup (none where row reductions stay inside a warp's quad). ``profile_space``: the
+  trace's regions per warpgroup when ``PROFILE_DIR_ENV`` is set (fewer where the kernel's
+  SMEM leaves less room).
   """
   profile_dir = os.environ.get(PROFILE_DIR_ENV, "")
-  # The trace: 256 regions per warpgroup, 16 B each in SMEM (12 KB for three warpgroups;
-  # the FP8 kernel takes ~207 KB with V^T ahead, 212 KB in order with 4 stages; 512 did not
-  # fit).
   return plgpu.CompilerParams(approx_math=True,
                               reduction_scratch_bytes=reduction_scratch_bytes,
                               unsafe_no_auto_barriers=not auto_barriers,
-                              profile_space=256 if profile_dir else 0,
+                              profile_space=profile_space if profile_dir else 0,
                               profile_dir=profile_dir, profile_bounds_check=bool(profile_dir))

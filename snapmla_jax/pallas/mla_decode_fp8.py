@@ -945,6 +945,8 @@ def _decode(q_content, q_scale, q_rope, content, scale, rope, block_table, seq_l
     from snapmla_jax.pallas import mla_decode_fp8_seesaw
     kernel, scratch, num_warpgroups = mla_decode_fp8_seesaw.launch(
         stages=config.num_stages, pair_axis=pair_axis, **params)
+    compiler_params = common.compiler_params(
+        auto_barriers=False, profile_space=mla_decode_fp8_seesaw.PROFILE_SPACE)
   elif swap_ab:  # O^T: [splits, batch, 512, rows]; the softmax reduces across warps
     vt_registers = config.vt_registers
     if vt_registers is None:  # on wherever it applies

@@ -73,6 +73,10 @@ ANTI_PHASE = False
 SPLIT_VT = False
 STAGES = 4   # the ring's default depth (even: slot k holds warpgroup k % 2's pages only)
 BUFFERS = 4  # P_q and combined state of step s in buffer s % 4 (owner s % 2)
+# The in-kernel trace's regions per warpgroup (bench/profile_kernel.py): the 4-stage ring
+# leaves ~3.8 KB of SMEM, 119 regions of two warpgroups (256 asked for 236,824 B of the
+# 232,448), ~10 own steps of ~9 regions.
+PROFILE_SPACE = 96
 _M, _L, _SIGMA, _GAMMA = range(4)  # rows of a state buffer
 _CONTENT_HALVES = (0, 1)
 _SCALE, _ROPE = 2, 3               # a page's four TMAs (and barriers): both content halves,
