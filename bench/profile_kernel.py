@@ -7,9 +7,8 @@ page-steps per CTA; 96 in the seesaw, ~20 pages: the trace buffer is in SMEM), a
 per kernel and warpgroup, the mean time per CTA in each region, how often it ran and its
 time per occurrence. Differential timing without hardware counters (METHOD.md).
 
-  python bench/profile_kernel.py --impls fp8-fp8,fp8-seesaw --out DIR
-
   python bench/profile_kernel.py [--batch 32 --heads 128 --context 4096] --out DIR
+  python bench/profile_kernel.py --impls fp8-fp8,fp8-seesaw --out DIR
   python bench/profile_kernel.py --variants base,pv_wgs_idle,idle_qk_twice --out DIR
 
 ``--variants`` traces ``bench/ablate.py``'s variants of the FP8 kernel instead: the regions
