@@ -15,7 +15,6 @@
 #                                       heads)
 #   bash bench/device_check.sh seesaw_focus  (~6 min: the seesaw's bench rows and its switches'
 #                                       ablations, in one call)
-#   bash bench/device_check.sh seesaw_min    (~4 min: seesaw_focus's key rows)
 #   bash bench/device_check.sh seesaw_parts  (~9.5 min: the seesaw's ablations at b32 h128, then
 #                                       e2e at 16 heads, 64k and 128k)
 # Full logs go to $OUT (the device tool brings them back); short tables print last.
@@ -42,6 +41,11 @@ if [[ $what == bench || $what == ablate ]]; then
   sampler=$!
   trap summarize_clocks EXIT
 fi
+# The seesaw, alone and multicast, next to BF16 and the default at 128 and 16 heads (~4 min).
+seesaw_bench() {
+  timeout 240 bash "$0" bench --only bf16,fp8-fp8,fp8-seesaw,fp8-seesaw-multicast \
+    --shapes 32,128,1,16384 128,16,1,16384
+}
 case $what in
   tests|all)
     args=("$@"); [[ ${#args[@]} -eq 0 || $what == all ]] && args=(tests/test_pallas_*.py tests/test_quant.py)
@@ -67,19 +71,12 @@ case $what in
     timeout 110 bash "$0" tests tests/test_pallas_fp8.py -k "multicast and seesaw"; status=$?
     timeout 130 bash "$0" tests tests/test_pallas_fp8.py \
       -k "seesaw_switches or (vs_emulation and fp8-seesaw)" || status=1
-    timeout 240 bash "$0" bench --only bf16,fp8-fp8,fp8-seesaw,fp8-seesaw-multicast \
-      --shapes 32,128,1,16384 128,16,1,16384 ;;
+    seesaw_bench ;;
   seesaw_focus)  # what one call can tell when machines are scarce (~6 min): the seesaw, alone and
                  # multicast, timed next to the defaults (128 and 16 heads), then its switches
-    timeout 230 bash "$0" bench --only bf16,fp8-fp8,fp8-seesaw,fp8-seesaw-multicast \
-      --shapes 32,128,1,16384 128,16,1,16384
+    seesaw_bench
     timeout 130 bash "$0" ablate --kernel seesaw --shapes 32,128,1,16384 \
       --only anti_phase,split_vt_anti_phase,decoupled ;;
-  seesaw_min)  # ~4 min, for a budget nearly spent: the seesaw (alone, multicast) against the
-               # default at 128 heads, the memory-bound ratio at 16, the anti-phase switch
-    timeout 100 bash "$0" bench --only fp8-fp8,fp8-seesaw,fp8-seesaw-multicast --shapes 32,128,1,16384
-    timeout 70 bash "$0" bench --only bf16,fp8-fp8 --shapes 128,16,1,16384
-    timeout 75 bash "$0" ablate --kernel seesaw --shapes 32,128,1,16384 --only anti_phase ;;
   seesaw_parts)  # the seesaw's switches and where its page-step goes (coupling, Q; the most
                  # telling first: a row prints as it is timed), then issue 5's
                  # paper-figure-1 shape (TP 8: 16 heads a GPU, where the FP8 kernel is HBM-bound)
